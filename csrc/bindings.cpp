@@ -1,0 +1,34 @@
+// Operator schemas of megatron_slmoe._C.
+//
+// The ops are declared once here with TORCH_LIBRARY under the `slmoe` namespace; each device's
+// sources register their kernel for the same op with TORCH_LIBRARY_IMPL(slmoe, <Key>, m)
+// (csrc/cpu: CPU, csrc/cuda: CUDA, later AscendC: PrivateUse1). The dispatcher picks the kernel from
+// the tensors' device, and Python asks it which devices have one (megatron_slmoe.ops.native_kernels).
+// We use the dispatcher rather than pybind functions so a device build only adds kernels, never
+// changes the Python surface.
+
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(slmoe, m) {
+  // Rows of x are grouped by expert; tokens_per_expert (int64, CPU) gives the group sizes.
+  // lora_x, when given, replaces x as the LoRA input (x times a dropout mask).
+  // Returns y [T, d_out] and h = lora_x A^T [T, r], kept for the backward.
+  m.def(
+      "lora_grouped_linear_fwd(Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, "
+      "Tensor tokens_per_expert, float scaling, Tensor? lora_x=None) -> (Tensor, Tensor)");
+  // Returns (dx, dA, dB); an output whose output_mask entry is false comes back undefined (None).
+  // lora_mask, when given, is the dropout mask that made lora_x, applied to the LoRA term of dx.
+  m.def(
+      "lora_grouped_linear_bwd(Tensor grad_y, Tensor lora_x, Tensor weight, Tensor lora_a, "
+      "Tensor lora_b, Tensor h, Tensor tokens_per_expert, float scaling, Tensor? lora_mask=None, "
+      "bool[3] output_mask=[True, True, True]) -> (Tensor, Tensor, Tensor)");
+}
+
+// `import megatron_slmoe._C` only needs a module object; loading the library runs the static
+// registrations above. No Python functions are bound here on purpose (see the top comment).
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "megatron_slmoe native kernels", -1,
+                                          nullptr};
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,129 @@
+"""Build and install megatron-slmoe with its native kernels (extension ``megatron_slmoe._C``).
+
+Install into an environment that already has the torch you will run, without build isolation:
+
+    pip install -e . --no-build-isolation
+
+With build isolation pip would compile against a throwaway torch from PyPI (on Linux a CUDA build),
+not the installed one, and the extension would not load. For the same reason there is no
+pyproject.toml build-system table listing torch.
+
+Environment:
+    SLMOE_BUILD_NATIVE=0    pure-Python install: no extension, every op uses its torch reference.
+    SLMOE_BUILD_CUDA=0|1    force the CUDA kernels (csrc/cuda/*.cu) off or on. Default: on when torch
+                            is a CUDA build, a CUDA toolkit is found and csrc/cuda has sources.
+    MAX_JOBS                parallel compile jobs (torch.utils.cpp_extension, with ninja).
+"""
+
+import os
+import re
+import sys
+from glob import glob
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _fail(msg: str) -> None:
+    sys.exit(f"setup.py: {msg}")
+
+
+def _version() -> str:
+    # Parsed, not imported: importing the package needs torch and applies the platform adaptor.
+    with open(os.path.join(ROOT, "megatron_slmoe", "__init__.py"), encoding="utf-8") as f:
+        match = re.search(r'^__version__\s*=\s*["\']([^"\']+)["\']', f.read(), re.M)
+    if match is None:
+        _fail("no __version__ in megatron_slmoe/__init__.py")
+    return match.group(1)
+
+
+def _env_flag(name: str):
+    """None when unset, else True/False for 1/0; anything else is an error."""
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        _fail(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _sources(pattern: str) -> list:
+    # setuptools wants paths relative to the project root.
+    return sorted(os.path.relpath(p, ROOT) for p in glob(os.path.join(ROOT, pattern)))
+
+
+def _use_cuda(torch, cuda_home, cuda_sources) -> bool:
+    forced = _env_flag("SLMOE_BUILD_CUDA")
+    if forced is False:
+        return False
+    if forced:
+        if torch.version.cuda is None:
+            _fail(f"SLMOE_BUILD_CUDA=1 but torch {torch.__version__} is not a CUDA build; "
+                  "install a CUDA torch or unset SLMOE_BUILD_CUDA")
+        if cuda_home is None:
+            _fail("SLMOE_BUILD_CUDA=1 but no CUDA toolkit was found; set CUDA_HOME")
+        if not cuda_sources:
+            _fail("SLMOE_BUILD_CUDA=1 but csrc/cuda has no .cu sources")
+        return True
+    return torch.version.cuda is not None and cuda_home is not None and bool(cuda_sources)
+
+
+def _native_extensions():
+    """The extension modules and cmdclass, or nothing when SLMOE_BUILD_NATIVE=0."""
+    if _env_flag("SLMOE_BUILD_NATIVE") is False:
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError as exc:
+        _fail(f"building the native kernels needs torch installed first ({exc}); install torch, then "
+              "`pip install -e . --no-build-isolation`, or set SLMOE_BUILD_NATIVE=0")
+
+    # bindings.cpp declares the ops (TORCH_LIBRARY); each csrc/<device>/ source registers its kernel.
+    sources = ["csrc/bindings.cpp"] + _sources("csrc/cpu/*.cpp")
+    cuda_sources = _sources("csrc/cuda/*.cu")
+    # -fopenmp turns on ATen's header-inlined parallel_for; the OpenMP runtime it links is the
+    # libgomp.so.1 torch already loaded, so there is one thread pool.
+    cxx_flags = ["-O3", "-fopenmp"]
+    kwargs = dict(
+        name="megatron_slmoe._C",
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_link_args=["-fopenmp"],
+    )
+    if _use_cuda(torch, CUDA_HOME, cuda_sources):
+        ext = CUDAExtension(
+            sources=sources + cuda_sources,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-Xcompiler", "-fopenmp"]},
+            **kwargs,
+        )
+    else:
+        ext = CppExtension(sources=sources, extra_compile_args={"cxx": cxx_flags}, **kwargs)
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = _native_extensions()
+
+setup(
+    name="megatron-slmoe",
+    version=_version(),
+    description="Megatron-Core extension for LoRA fine-tuning of Stable Latent MoE models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_slmoe", "megatron_slmoe.*"]),
+    package_data={"megatron_slmoe": ["configs/*.yaml"]},
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "numpy",
+        "safetensors",
+        "pyyaml",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine"],
+        "npu": ["torch_npu", "mindspeed"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)
