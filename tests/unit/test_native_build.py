@@ -1,0 +1,70 @@
+"""The native extension is built, loads, and registers its CPU kernels; setup.py's switches."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_slmoe.ops import native_extension_error, native_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_extension_imports():
+    import megatron_slmoe._C  # noqa: F401
+
+    assert native_extension_error() is None
+
+
+def test_native_kernels_lists_cpu_for_lora_grouped_linear():
+    report = native_kernels()
+    assert report["extension"] is True
+    assert "cpu" in report["lora_grouped_linear"]
+
+
+def test_ops_are_declared_in_the_slmoe_namespace():
+    assert torch.ops.slmoe.lora_grouped_linear_fwd.default._schema.name == "slmoe::lora_grouped_linear_fwd"
+    assert torch.ops.slmoe.lora_grouped_linear_bwd.default._schema.name == "slmoe::lora_grouped_linear_bwd"
+
+
+def setup_py(**env):
+    """`python setup.py --version` under extra environment variables."""
+    return subprocess.run(
+        [sys.executable, "setup.py", "--version"],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_setup_version_comes_from_the_package_file():
+    done = setup_py(SLMOE_BUILD_NATIVE="0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "0.1.0"
+
+
+def test_setup_rejects_bad_switches():
+    done = setup_py(SLMOE_BUILD_CUDA="yes")
+    assert done.returncode != 0 and "SLMOE_BUILD_CUDA must be 0 or 1, got 'yes'" in done.stderr
+    if torch.version.cuda is None:
+        done = setup_py(SLMOE_BUILD_CUDA="1")
+        assert done.returncode != 0 and "is not a CUDA build" in done.stderr
+
+
+def test_ops_import_and_fall_back_without_the_extension():
+    # A fresh interpreter where `import megatron_slmoe._C` fails, as in a SLMOE_BUILD_NATIVE=0 install.
+    script = """
+import sys
+sys.modules["megatron_slmoe._C"] = None  # makes the import raise ImportError
+import torch
+from megatron_slmoe.ops import choose_backend, lora_grouped_linear, native_extension_error, native_kernels
+assert native_kernels() == {"extension": False, "lora_grouped_linear": []}, native_kernels()
+assert "megatron_slmoe._C" in native_extension_error()
+assert choose_backend("lora_grouped_linear", "cpu") == "reference"
+y = lora_grouped_linear(torch.ones(3, 2), torch.ones(2, 4, 2), torch.ones(2, 1, 2), torch.ones(2, 4, 1),
+                        torch.tensor([1, 2]), 0.5)
+assert torch.equal(y, torch.full((3, 4), 3.0))
+"""
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
