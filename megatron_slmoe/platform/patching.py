@@ -52,6 +52,14 @@ class _Wrapped:
     wrapper: Callable[[Any], Any]
 
 
+def _wrap_keeping_descriptor(owner: Any, attr: str, wrapper: Callable[[Any], Any]) -> Any:
+    """Wrap a function, keeping a class's staticmethod/classmethod kind."""
+    raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
+    if isinstance(raw, (staticmethod, classmethod)):
+        return type(raw)(wrapper(raw.__func__))
+    return wrapper(getattr(owner, attr))
+
+
 class PatchRegistry:
     def __init__(self) -> None:
         self._patches: dict[str, Patch] = {}
@@ -113,7 +121,7 @@ class PatchRegistry:
                 continue
             patch.original = getattr(owner, attr)
             if isinstance(patch.replacement, _Wrapped):
-                patch.replacement = patch.replacement.wrapper(patch.original)
+                patch.replacement = _wrap_keeping_descriptor(owner, attr, patch.replacement.wrapper)
             setattr(owner, attr, patch.replacement)
             # Plain functions and classes can be imported by name elsewhere; rebind those copies.
             if callable(patch.original) and not isinstance(owner, type):

@@ -187,8 +187,10 @@ def _is_cuda_device(device: object) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)  # a bare index means cuda:N
 
 
-class _CudaDevicesToCpu(TorchFunctionMode):
-    """Rewrites device='cuda' / device=N arguments of torch calls to the CPU while active."""
+class _CpuAsCuda(TorchFunctionMode):
+    """While active, CPU tensors pass for the accelerator's: device='cuda' / device=N arguments
+    become the CPU, and ``tensor.type()`` names CPU tensors 'torch.cuda.*Tensor' (Megatron checks
+    dtypes that way)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -196,18 +198,26 @@ class _CudaDevicesToCpu(TorchFunctionMode):
             kwargs["device"] = _CPU
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            if result.startswith("torch.") and not result.startswith("torch.cuda."):
+                result = "torch.cuda." + result[len("torch."):]
+        return result
 
 
 def cuda_devices_on_cpu(fn):
-    """Run ``fn`` unchanged, with its hard-coded CUDA devices mapped to the CPU."""
+    """Run ``fn`` unchanged, with the CPU standing in for the accelerator (see _CpuAsCuda)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _CudaDevicesToCpu():
+        with _CpuAsCuda():
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def _uncompiled(fn):
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
 
 
 def _register_megatron(registry: PatchRegistry) -> None:
@@ -217,6 +227,54 @@ def _register_megatron(registry: PatchRegistry) -> None:
     utils = "megatron.core.transformer.utils"
     on_cpu(f"{utils}.get_default_causal_mask", "builds its mask with device='cuda'")
     on_cpu(f"{utils}.get_sliding_window_causal_mask", "builds its mask with device='cuda'")
+    schedules = "megatron.core.pipeline_parallel.schedules"
+    for schedule in (
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_pipelining_with_interleaving",
+    ):
+        on_cpu(f"{schedules}.{schedule}", "counts tokens in a device='cuda' tensor")
+    optimizer = "megatron.core.optimizer"
+    on_cpu(f"{optimizer}.optimizer.MixedPrecisionOptimizer.__init__", "device='cuda' flags")
+    on_cpu(f"{optimizer}.optimizer.FP32Optimizer.__init__", "device='cuda' scale")
+    on_cpu(f"{optimizer}.grad_scaler.MegatronGradScaler.__init__", "device='cuda' scale")
+    on_cpu(f"{optimizer}.grad_scaler.DynamicGradScaler.__init__", "device='cuda' scale")
+    for fn in ("get_grad_norm_fp32", "count_zeros_fp32"):
+        on_cpu(f"{optimizer}.clip_grads.{fn}", "norm buffers on device='cuda'")
+    on_cpu(f"{optimizer}.clip_grads.clip_grad_by_total_norm_fp32",
+           "asserts grad.type() == 'torch.cuda.FloatTensor'")
+    on_cpu(f"{optimizer}.optimizer.Float16OptimizerWithFloat16Params.__init__",
+           "sorts params by 'torch.cuda.*Tensor' type names")
+    on_cpu(f"{optimizer}.distrib_optimizer.DistributedOptimizer.__init__",
+           "sorts params by 'torch.cuda.*Tensor' type names")
+    on_cpu(f"{optimizer}.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups",
+           "sorts params by 'torch.cuda.*Tensor' type names")
+    on_cpu("megatron.core.utils.local_multi_tensor_l2_norm", "norm result on device='cuda'")
+    on_cpu("megatron.core.rerun_state_machine.RerunStateMachine._reduce_any",
+           "reduces a device='cuda' flag")
+    on_cpu("megatron.core.transformer.moe.moe_utils.reduce_aux_losses_tracker_across_ranks",
+           "aux-loss tracker on device='cuda'")
+    on_cpu("megatron.core.tensor_parallel.data.broadcast_data", "broadcast buffers on 'cuda'")
+    dist_ckpt = "megatron.core.dist_checkpointing"
+    on_cpu(f"{dist_ckpt}.strategies.state_dict_saver.verify_global_md_reuse", "'cuda' flag")
+    for fn in ("_get_empty_tensor_for_exchange", "exchange_loaded_tensors_gather_rounds",
+               "exchange_loaded_tensors_broadcast"):
+        on_cpu(f"{dist_ckpt}.exchange_utils.{fn}", "exchange buffers on device='cuda'")
+
+    # Megatron's jit_fuser is torch.compile; on CPU inductor compiles C++ at the first call
+    # (seconds per function in every process) for no gain at our sizes: run them eagerly.
+    fusions = "megatron.core.fusions"
+    for target in (
+        f"{fusions}.fused_bias_dropout.bias_dropout_add_fused_train",
+        f"{fusions}.fused_bias_dropout.bias_dropout_add_fused_inference",
+        f"{fusions}.fused_bias_swiglu.swiglu",
+        f"{fusions}.fused_bias_swiglu.bias_swiglu",
+        f"{fusions}.fused_bias_swiglu.weighted_swiglu",
+        f"{fusions}.fused_bias_swiglu.swiglu_back",
+        f"{fusions}.fused_bias_swiglu.bias_swiglu_back",
+        f"{fusions}.fused_bias_swiglu.weighted_swiglu_back",
+    ):
+        registry.wrap(target, _uncompiled, "torch.compile'd: run eagerly on CPU")
 
     def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
         # Megatron converts split sizes to numpy only when they start on the GPU; collectives
