@@ -182,3 +182,17 @@ def parallel_run(weights_dir: str, grads_dir: str, stepped_dir: str,
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {"loss": loss, "grad_errors": grad_errors,
             "step_errors": relative_errors(params, stepped_dir)}
+
+
+def resave_run(source_dir: str, target_dir: str) -> None:
+    """Load a checkpoint into this layout and save it again (in this layout's shards)."""
+    model = build_model(tiny_config())
+    load(model, source_dir)
+    save(model, target_dir)
+
+
+def compare_run(expected_dir: str, actual_dir: str) -> dict[str, float]:
+    """Load two checkpoints into this layout and compare them tensor by tensor."""
+    model = build_model(tiny_config())
+    load(model, actual_dir)
+    return relative_errors({n: p.detach() for n, p in model.named_parameters()}, expected_dir)

@@ -51,3 +51,15 @@ def test_distributed_optimizer_step_matches_single_rank(reference):
     # Each rank's grad buffer is reduce-scattered: only its own shard is the full gradient, so
     # the comparison is on the weights after the step, which the optimizer all-gathers.
     _check(results, reference_loss, check_grads=False)
+
+
+def test_dist_checkpoint_saved_in_one_layout_loads_in_another(reference, tmp_path):
+    dirs, _ = reference
+    tp2_dir = tmp_path / "tp2"
+    tp2_dir.mkdir()
+    run_ranks(gpt_case.resave_run, 2, tp=2, source_dir=dirs["weights_dir"], target_dir=str(tp2_dir))
+    results = run_ranks(gpt_case.compare_run, 2, pp=2, expected_dir=dirs["weights_dir"],
+                        actual_dir=str(tp2_dir))
+    for rank, errors in enumerate(results):
+        assert errors, f"rank {rank} compared nothing"
+        assert all(e == 0.0 for e in errors.values()), f"rank {rank}: {errors}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -20,7 +21,15 @@ from megatron_slmoe.platform.patching import PatchRegistry
 _CPU = torch.device("cpu")
 
 
+def quiet_expected_warnings() -> None:
+    """On CPU, missing TransformerEngine/Apex and CUDA tuning hints are expected, not news."""
+    for message in (r".*(Apex|Transformer Engine).* (is|are) not installed",
+                    r".*CUDA_DEVICE_MAX_CONNECTIONS"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
+
 def build_registry() -> PatchRegistry:
+    quiet_expected_warnings()  # before Megatron-Core is imported to resolve the targets
     registry = PatchRegistry()
     register_without_te(registry)
     _register_cuda_facade(registry)

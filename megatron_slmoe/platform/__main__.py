@@ -1,0 +1,49 @@
+"""``python -m megatron_slmoe.platform``: print the detected platform, backend, native kernels and
+applied patches as one JSON object. Exit code 2, with one line on stderr, if the platform or
+backend requested through the environment cannot be used."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from megatron_slmoe.platform import PlatformError
+
+
+def main() -> int:
+    try:
+        import megatron_slmoe  # applies the adaptor (and exits 2 itself under `python -m`)
+    except PlatformError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from megatron_slmoe.ops import native_kernels
+    from megatron_slmoe.platform import applied_patches
+
+    platform = megatron_slmoe.PLATFORM
+    report = {
+        "platform": platform.name,
+        "backend": platform.backend,
+        "device": str(platform.device()),
+        "torch": torch.__version__,
+        "megatron_core": _version("megatron-core"),
+        "megatron_slmoe": megatron_slmoe.__version__,
+        "kernels": native_kernels(),
+        "patches": applied_patches(),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _version(dist_name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist_name)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
