@@ -117,6 +117,7 @@ setup(
         "numpy",
         "safetensors",
         "pyyaml",
+        "psutil",  # Megatron-Core's dist-checkpoint writer reads process memory with it
     ],
     extras_require={
         "gpu": ["transformer-engine"],
