@@ -21,16 +21,19 @@
 namespace slmoe {
 namespace {
 
+// Below this many multiply-adds per call, waking the thread pool costs more than it saves.
+constexpr int64_t kMinParallelMacs = int64_t{1} << 20;
+
 // Runs fn(e) once for every expert e. Experts holding more than one thread's fair share of rows
 // run one after another with multi-threaded GEMMs; the rest are packed longest-first onto the
 // least loaded thread and run with single-threaded GEMMs, so uneven routing neither serializes the
-// call on one thread nor drowns small experts in threading overhead.
+// call on one thread nor drowns small experts in threading overhead. macs_per_row sizes the call.
 template <typename F>
-void for_each_expert(const std::vector<int64_t>& offsets, const F& fn) {
+void for_each_expert(const std::vector<int64_t>& offsets, int64_t macs_per_row, const F& fn) {
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   const int64_t T = offsets[E];
   const int64_t threads = at::get_num_threads();
-  if (threads <= 1 || at::in_parallel_region() || E <= 1) {
+  if (threads <= 1 || at::in_parallel_region() || E <= 1 || T * macs_per_row < kMinParallelMacs) {
     for (int64_t e = 0; e < E; ++e) fn(e);
     return;
   }
@@ -85,7 +88,8 @@ std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_cpu(const at::Tensor&
   auto y = at::empty({d.T, d.d_out}, x.options());
   auto h = at::empty({d.T, d.r}, x.options());
 
-  for_each_expert(offsets, [&](int64_t e) {
+  const int64_t macs_per_row = d.d_in * d.d_out + d.r * (d.d_in + d.d_out);
+  for_each_expert(offsets, macs_per_row, [&](int64_t e) {
     const int64_t off = offsets[e], n = offsets[e + 1] - off;
     if (n == 0) return;
     auto h_e = h.narrow(0, off, n);
@@ -131,7 +135,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_cpu(
   // dh feeds both dA and dx; one [T, r] buffer, each expert writes its own rows.
   at::Tensor dh = (need_dx || need_da) ? at::empty({d.T, d.r}, opts) : at::Tensor();
 
-  for_each_expert(offsets, [&](int64_t e) {
+  const int64_t macs_per_row = d.d_in * d.d_out + 2 * d.r * (d.d_in + d.d_out);
+  for_each_expert(offsets, macs_per_row, [&](int64_t e) {
     const int64_t off = offsets[e], n = offsets[e + 1] - off;
     if (n == 0) {
       // No rows routed here: the adapter's gradient is exactly zero.

@@ -146,10 +146,16 @@ def test_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_big_expert_among_small_ones(threads):
-    # 60 of 70 rows on expert 1: it runs alone with threaded GEMMs, the others packed onto threads.
-    case = make_case(counts=[3, 60, 0, 2, 5], r=8)
-    grad_y = torch.randn(70, D_OUT, dtype=torch.float64)
+@pytest.mark.parametrize(
+    "counts",
+    [[30, 600, 0, 20, 50], [100, 0, 90, 120, 80, 110, 0, 100]],
+    ids=["one_big_expert", "uneven_small_experts"],
+)
+def test_threaded_schedule(threads, counts):
+    # Big enough (> 2**20 multiply-adds) for the kernel to use threads: a dominant expert runs alone
+    # with threaded GEMMs, the others are packed onto threads.
+    case = make_case(counts=counts, d_in=64, d_out=48, r=8)
+    grad_y = torch.randn(sum(counts), 48, dtype=torch.float64)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
