@@ -1,0 +1,1 @@
+"""Stable Latent MoE: router, latent projections, dispatchers, experts, the layer, its specs."""

@@ -1,0 +1,23 @@
+"""What a Stable Latent MoE layer needs beyond Megatron-Core's TransformerConfig.
+
+Routing, expert and latent sizes are TransformerConfig fields (``num_moe_experts``,
+``moe_router_topk``, ``moe_latent_size``, ...); only the settings Megatron has no field for live
+here, in one small dataclass that the layer spec carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class SLMoEConfig:
+    freeze_router: bool = False
+    """Freeze the router weight (the usual choice when fine-tuning with LoRA)."""
+    freeze_expert_bias: Optional[bool] = None
+    """Stop the aux-loss-free expert-bias updates. None: frozen exactly when the router is."""
+    dispatcher: str = "allgather"
+    """Token dispatcher: 'allgather' (the all-to-all dispatcher arrives with its own issue)."""
+
+    DISPATCHERS = ("allgather",)

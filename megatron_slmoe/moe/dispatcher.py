@@ -1,0 +1,59 @@
+"""Token dispatchers: move each token's (latent) row to the ranks holding its experts and back.
+
+The interface every dispatcher implements (the all-to-all dispatcher of its own issue plugs in
+here too)::
+
+    rows_RL, tokens_per_expert_E, probs_R = dispatcher.dispatch(x_TL, probs_TE, routing_map_TE)
+    y_TL = dispatcher.combine(out_RL)
+
+``rows_RL`` holds one row per (token, local expert) assignment, grouped by local expert in expert
+order (tokens in their original order within a group); ``tokens_per_expert_E`` gives the group
+sizes (a CPU int64 tensor, zeros allowed) and ``probs_R`` each row's router probability. ``combine``
+sums the rows back onto their tokens (the experts have already weighted them by ``probs_R``).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+
+class AllGatherDispatcher:
+    """Every expert-parallel rank gathers all tokens of its EP group, computes the rows routed to
+    its local experts, and the partial outputs are reduce-scattered back to the token owners.
+    Simple and robust; it moves every token to every EP rank, so it suits small EP sizes (the
+    all-to-all dispatcher moves only routed rows)."""
+
+    def __init__(self, num_experts: int, local_expert_indices: list[int], ep_group) -> None:
+        self.num_experts = num_experts
+        self.first_local = local_expert_indices[0]
+        self.num_local = len(local_expert_indices)
+        self.ep_group = ep_group
+        self.ep_size = ep_group.size() if ep_group is not None else 1
+        self._restore = None
+
+    def dispatch(self, x_TL: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor):
+        if self.ep_size > 1:
+            x_TL = gather_from_sequence_parallel_region(x_TL, group=self.ep_group)
+            probs_TE = gather_from_sequence_parallel_region(probs_TE, group=self.ep_group)
+            routing_map_TE = gather_from_sequence_parallel_region(
+                routing_map_TE.to(torch.uint8), group=self.ep_group).bool()
+        local = slice(self.first_local, self.first_local + self.num_local)
+        # Expert-major order: nonzero() of the transposed map is sorted by (expert, token).
+        expert_R, token_R = routing_map_TE[:, local].t().nonzero(as_tuple=True)
+        tokens_per_expert_E = torch.bincount(expert_R, minlength=self.num_local).cpu()
+        probs_R = probs_TE[:, local][token_R, expert_R]
+        self._restore = (token_R, x_TL.shape)
+        return x_TL.index_select(0, token_R), tokens_per_expert_E, probs_R
+
+    def combine(self, out_RL: torch.Tensor) -> torch.Tensor:
+        token_R, shape = self._restore
+        self._restore = None
+        y_TL = torch.zeros(shape[0], out_RL.shape[-1], dtype=out_RL.dtype, device=out_RL.device)
+        y_TL = y_TL.index_add(0, token_R, out_RL)
+        if self.ep_size > 1:
+            y_TL = reduce_scatter_to_sequence_parallel_region(y_TL, group=self.ep_group)
+        return y_TL

@@ -1,0 +1,77 @@
+"""Routed experts in the latent width: SwiGLU MLPs whose weights are stacked per local expert.
+
+``forward(rows_RL, tokens_per_expert_E, probs_R)`` takes rows grouped by local expert (see the
+dispatcher interface) and returns ``probs_R * fc2(silu(gate) * up)`` per row, with
+``gate | up = fc1(row)``. The router probability scales the activation before fc2, as in
+Megatron-Core's experts. The LoRA experts of the kernel issue implement the same interface.
+
+Parameters are expert-parallel: each EP rank holds ``num_experts / ep`` experts, they are marked
+``allreduce = False`` so Megatron's DDP reduces their gradients over the expert-data-parallel
+group, and their dist-checkpoint shards carry the global expert offset so checkpoints move between
+expert-parallel sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class LatentSwiGLUExperts(MegatronModule):
+    def __init__(self, config: TransformerConfig, num_local_experts: int,
+                 local_expert_offset: int) -> None:
+        super().__init__(config=config)
+        self.num_local_experts = num_local_experts
+        self.local_expert_offset = local_expert_offset
+        width = config.moe_latent_size or config.hidden_size
+        ffn = config.moe_ffn_hidden_size
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        # fc1 holds gate and up stacked on the output dimension, as Megatron's linear_fc1 does.
+        self.fc1_weight = torch.nn.Parameter(
+            torch.empty(num_local_experts, 2 * ffn, width, dtype=config.params_dtype, device=device))
+        self.fc2_weight = torch.nn.Parameter(
+            torch.empty(num_local_experts, width, ffn, dtype=config.params_dtype, device=device))
+        if config.perform_initialization:
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                for e in range(num_local_experts):
+                    config.init_method(self.fc1_weight.data[e])
+                    config.output_layer_init_method(self.fc2_weight.data[e])
+        for param in (self.fc1_weight, self.fc2_weight):
+            param.allreduce = False  # expert parameters: reduced over expert-data-parallel ranks
+
+    def forward(self, rows_RL: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+                probs_R: torch.Tensor) -> torch.Tensor:
+        sizes = tokens_per_expert_E.tolist()
+        outputs = []
+        for e, (x_rL, p_r) in enumerate(zip(rows_RL.split(sizes), probs_R.split(sizes))):
+            gate_rF, up_rF = F.linear(x_rL, self.fc1_weight[e]).chunk(2, dim=-1)
+            act_rF = F.silu(gate_rF) * up_rF * p_r.unsqueeze(-1).to(up_rF.dtype)
+            outputs.append(F.linear(act_rF, self.fc2_weight[e]))
+        if not outputs:
+            return rows_RL.new_zeros(0, self.fc2_weight.shape[1])
+        return torch.cat(outputs, dim=0)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        # Replicas of the same experts live on the expert-data-parallel ranks (TP ranks too).
+        replica_id = (0, parallel_state.get_expert_tensor_parallel_rank(),
+                      parallel_state.get_expert_data_parallel_rank())
+        sharded = {}
+        for name in ("fc1_weight", "fc2_weight"):
+            key = f"{prefix}{name}"
+            # Axis len(sharded_offsets) is the global expert axis, after any layer axes.
+            sharded[key] = ShardedTensor.from_rank_offsets(
+                key, getattr(self, name), *sharded_offsets,
+                (len(sharded_offsets), ep_rank, ep_size),
+                replica_id=replica_id, prepend_axis_num=len(sharded_offsets),
+            )
+        return sharded

@@ -1,0 +1,315 @@
+"""Routing-stability monitor: once per step, turn every router's accumulated statistics into
+load metrics and warn (or stop) when routing collapses.
+
+Each router fills a ``RoutingStatsAccumulator`` during forward. ``RoutingMonitor.step`` reduces all
+layers held by this rank across the tensor+data(+context) parallel group with one SUM and one MAX
+all-reduce, resets the accumulators, and reports per layer:
+
+- ``tokens_per_expert``: assignments per expert (a token routed to k experts counts k times);
+- ``imbalance``: max / mean of ``tokens_per_expert`` over all E experts (1.0 = balanced);
+- ``load_entropy``: entropy of the normalised ``tokens_per_expert`` / log(E) (1.0 = balanced);
+- ``router_entropy``: mean per-token entropy of the routing scores (nats);
+- ``logit_rms`` and ``logit_max_abs`` of the raw router logits;
+- ``dead_experts_window``: experts that received no token over the last ``window`` steps (over the
+  steps seen so far while fewer than ``window`` have passed);
+- the collapse detectors' state: ``max_share``, ``dominant_expert``, ``starving`` (``[expert,
+  consecutive starving steps]`` pairs).
+
+A layer that routed no token in a step reports ``imbalance``, ``load_entropy``, ``router_entropy``
+and ``logit_rms`` as 0.0 (there is no load to measure), and its collapse detectors keep their state:
+an empty step is no evidence either way. ``summary_line`` leaves such layers out.
+
+Collapse detection, per layer and expert, on the share of the step's assignments:
+- starving: share < ``starved_fraction`` / E for ``starved_patience`` steps in a row; fires once
+  when the run reaches the patience, re-arms after a step above the threshold;
+- dominating: share > ``dominant_fraction``; fires on the first such step, re-arms after a step at
+  or below it. With top-k routing a share above 1/k is impossible, so ``dominant_fraction`` >= 1/k
+  never fires.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator
+
+_ACTIONS = ("warn", "stop")
+
+
+class RoutingCollapseError(RuntimeError):
+    """Raised by ``RoutingMonitor.step`` when ``action="stop"`` and routing collapsed."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class MonitorConfig:
+    window: int = 50
+    starved_fraction: float = 0.1
+    starved_patience: int = 20
+    dominant_fraction: float = 0.5
+    action: str = "warn"
+    jsonl_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.window) or self.window < 1:
+            raise ValueError(f"MonitorConfig.window must be an int >= 1, got {self.window!r}")
+        if not _is_number(self.starved_fraction) or not 0.0 <= self.starved_fraction < 1.0:
+            raise ValueError("MonitorConfig.starved_fraction must be a number in [0, 1), "
+                             f"got {self.starved_fraction!r}")
+        if not _is_int(self.starved_patience) or self.starved_patience < 1:
+            raise ValueError("MonitorConfig.starved_patience must be an int >= 1, "
+                             f"got {self.starved_patience!r}")
+        # > 1/E is checked at attach time, when E is known; 1.0 switches the detector off.
+        if not _is_number(self.dominant_fraction) or not 0.0 < self.dominant_fraction <= 1.0:
+            raise ValueError("MonitorConfig.dominant_fraction must be a number in (0, 1], "
+                             f"got {self.dominant_fraction!r}")
+        if self.action not in _ACTIONS:
+            raise ValueError(f"MonitorConfig.action must be one of {_ACTIONS}, got {self.action!r}")
+        if self.jsonl_path is not None and (
+                not isinstance(self.jsonl_path, (str, os.PathLike)) or not str(self.jsonl_path)):
+            raise ValueError("MonitorConfig.jsonl_path must be a non-empty path or None, "
+                             f"got {self.jsonl_path!r}")
+
+
+@dataclass
+class _LayerTrack:
+    """One router and the monitor's memory of it across steps."""
+
+    layer_number: int
+    stats: RoutingStatsAccumulator
+    window: int
+    recent_WE: torch.Tensor = field(init=False)  # ring buffer of the last `window` steps' loads
+    starving_steps_E: list[int] = field(init=False)
+    dominating_E: list[bool] = field(init=False)
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        num_experts = self.stats.num_experts
+        self.recent_WE = torch.zeros(self.window, num_experts, dtype=torch.float64)
+        self.starving_steps_E = [0] * num_experts
+        self.dominating_E = [False] * num_experts
+
+
+def _find_routers(model_chunks: Iterable[torch.nn.Module]) -> list[tuple[int, RoutingStatsAccumulator]]:
+    found: dict[int, tuple[int, RoutingStatsAccumulator]] = {}  # id(accumulator) -> router
+    layers: dict[int, int] = {}  # layer_number -> id(accumulator)
+    for chunk in model_chunks:
+        for name, module in chunk.named_modules():
+            stats = getattr(module, "routing_stats", None)
+            if not isinstance(stats, RoutingStatsAccumulator):
+                continue
+            # A module exposing its router's accumulator (or a chunk listed twice, or a DDP
+            # wrapper) shows the same object again: count it once.
+            if id(stats) in found:
+                continue
+            layer_number = getattr(module, "layer_number", None)
+            if not _is_int(layer_number):
+                raise ValueError(f"RoutingMonitor: router module '{name}' has routing_stats but "
+                                 f"layer_number={layer_number!r}, not an int")
+            if layer_number in layers:
+                raise ValueError(f"RoutingMonitor: two routers report layer_number={layer_number}")
+            found[id(stats)] = (layer_number, stats)
+            layers[layer_number] = id(stats)
+    return sorted(found.values(), key=lambda item: item[0])
+
+
+def _default_group() -> Optional[torch.distributed.ProcessGroup]:
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        # Summing over nothing would report one rank's share as the whole: refuse instead.
+        raise ValueError("RoutingMonitor: torch.distributed is initialised but Megatron "
+                         "parallel_state is not; pass group= explicitly")
+    return None
+
+
+class RoutingMonitor:
+    def __init__(self, model_chunks: torch.nn.Module | Iterable[torch.nn.Module],
+                 config: MonitorConfig, group: Optional[torch.distributed.ProcessGroup] = None) -> None:
+        if isinstance(model_chunks, torch.nn.Module):
+            model_chunks = [model_chunks]
+        self.config = config
+        self.group = group if group is not None else _default_group()
+        self._layers: list[_LayerTrack] = []
+        for layer_number, stats in _find_routers(model_chunks):
+            num_experts = stats.num_experts
+            if num_experts < 2:
+                raise ValueError(f"RoutingMonitor: layer {layer_number} has {num_experts} expert; "
+                                 "routing needs at least 2")
+            if config.dominant_fraction <= 1.0 / num_experts:
+                raise ValueError(f"MonitorConfig.dominant_fraction={config.dominant_fraction} must "
+                                 f"be > 1/E = {1.0 / num_experts:.4g} (layer {layer_number} has "
+                                 f"{num_experts} experts)")
+            self._layers.append(_LayerTrack(layer_number, stats, config.window))
+
+    @property
+    def layer_numbers(self) -> list[int]:
+        return [track.layer_number for track in self._layers]
+
+    def step(self, iteration: int) -> dict[str, Any]:
+        states = self._reduce_and_reset()
+        layers: dict[int, dict[str, Any]] = {}
+        warnings: list[str] = []
+        for track, state in zip(self._layers, states):
+            layers[track.layer_number] = self._layer_metrics(track, state, iteration, warnings)
+        result = {"iteration": iteration, "layers": layers, "warnings": warnings}
+
+        if warnings and self._is_group_leader():
+            # Every rank of the group holds the same reduced figures: log them once per group.
+            logger = logging.getLogger(__name__)
+            for message in warnings:
+                logger.warning(message)
+        if self.config.jsonl_path is not None and self._is_world_rank0():
+            _append_jsonl(self.config.jsonl_path, result)
+        if warnings and self.config.action == "stop":
+            raise RoutingCollapseError("; ".join(warnings))
+        return result
+
+    def _reduce_and_reset(self) -> list[torch.Tensor]:
+        """All layers' states summed (max field: maximised) over the group, as float64 on CPU."""
+        if not self._layers:
+            return []
+        local = [track.stats.state for track in self._layers]
+        # A router that never ran still holds a CPU state; reduce on the device the others use.
+        device = next((s.device for s in local if s.device.type != "cpu"), local[0].device)
+        sizes = [s.numel() for s in local]
+        sum_widths = [s[RoutingStatsAccumulator.SUM_FIELDS].numel() for s in local]
+        # cat / stack copy, so resetting the accumulators below leaves these intact.
+        sums_flat = torch.cat([s[RoutingStatsAccumulator.SUM_FIELDS].to(device) for s in local])
+        maxes_L = torch.stack([s[RoutingStatsAccumulator.MAX_FIELD].to(device) for s in local])
+        for track in self._layers:
+            track.stats.reset()
+        if self.group is not None:
+            torch.distributed.all_reduce(sums_flat, op=torch.distributed.ReduceOp.SUM,
+                                         group=self.group)
+            torch.distributed.all_reduce(maxes_L, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.group)
+        sums_flat, maxes_L = sums_flat.cpu(), maxes_L.cpu()  # the one host sync per step
+
+        reduced = []
+        for size, sums, max_value in zip(sizes, sums_flat.split(sum_widths), maxes_L):
+            state = torch.zeros(size, dtype=torch.float64)
+            state[RoutingStatsAccumulator.SUM_FIELDS] = sums
+            state[RoutingStatsAccumulator.MAX_FIELD] = max_value
+            reduced.append(state)
+        return reduced
+
+    def _layer_metrics(self, track: _LayerTrack, state: torch.Tensor, iteration: int,
+                       warnings: list[str]) -> dict[str, Any]:
+        num_experts = track.stats.num_experts
+        fields = RoutingStatsAccumulator.unpack(state, num_experts)
+        tokens_E = fields["tokens_per_expert"].round()
+        num_tokens = fields["num_tokens"]
+        assignments = tokens_E.sum().item()
+
+        track.recent_WE[track.steps % track.window] = tokens_E
+        track.steps += 1
+        dead = int((track.recent_WE.sum(dim=0) == 0).sum().item())
+
+        metrics: dict[str, Any] = {
+            "tokens_per_expert": [int(t) for t in tokens_E.tolist()],
+            "num_tokens": int(round(num_tokens)),
+            "imbalance": 0.0,
+            "load_entropy": 0.0,
+            "router_entropy": 0.0,
+            "logit_rms": 0.0,
+            "logit_max_abs": fields["logit_max_abs"],
+            "dead_experts_window": dead,
+            "max_share": 0.0,
+            "dominant_expert": None,
+        }
+        if assignments > 0:
+            share_E = tokens_E / assignments
+            # 0·log 0 = 0: experts without tokens add nothing to the entropy.
+            plogp_E = torch.where(share_E > 0, share_E * share_E.clamp_min(1e-300).log(),
+                                  torch.zeros_like(share_E))
+            max_share, top_expert = share_E.max(dim=0)
+            metrics["imbalance"] = tokens_E.max().item() / (assignments / num_experts)
+            metrics["load_entropy"] = -plogp_E.sum().item() / math.log(num_experts)
+            metrics["max_share"] = max_share.item()
+            metrics["dominant_expert"] = int(top_expert)
+            self._detect_collapse(track, share_E.tolist(), iteration, warnings)
+        if num_tokens > 0:
+            metrics["router_entropy"] = fields["entropy_sum"] / num_tokens
+            metrics["logit_rms"] = math.sqrt(fields["logit_sq_sum"] / (num_tokens * num_experts))
+        metrics["starving"] = [[e, n] for e, n in enumerate(track.starving_steps_E) if n > 0]
+        return metrics
+
+    def _detect_collapse(self, track: _LayerTrack, share_E: list[float], iteration: int,
+                         warnings: list[str]) -> None:
+        cfg = self.config
+        num_experts = len(share_E)
+        fair = 1.0 / num_experts
+        starve_below = cfg.starved_fraction * fair
+        for expert, share in enumerate(share_E):
+            if share < starve_below:
+                track.starving_steps_E[expert] += 1
+                # == not >=: one warning per episode, at the step the run reaches the patience.
+                if track.starving_steps_E[expert] == cfg.starved_patience:
+                    warnings.append(
+                        f"routing collapse at iteration {iteration}: layer {track.layer_number} "
+                        f"expert {expert} starving, share {share:.4g} < {cfg.starved_fraction:g} "
+                        f"x fair share {fair:.4g} for {cfg.starved_patience} steps in a row")
+            else:
+                track.starving_steps_E[expert] = 0
+            if share > cfg.dominant_fraction:
+                if not track.dominating_E[expert]:
+                    warnings.append(
+                        f"routing collapse at iteration {iteration}: layer {track.layer_number} "
+                        f"expert {expert} dominating, share {share:.4g} > dominant_fraction "
+                        f"{cfg.dominant_fraction:g} (fair share {fair:.4g})")
+                track.dominating_E[expert] = True
+            else:
+                track.dominating_E[expert] = False
+
+    def _is_group_leader(self) -> bool:
+        return self.group is None or torch.distributed.get_rank(group=self.group) == 0
+
+    @staticmethod
+    def _is_world_rank0() -> bool:
+        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    directory = os.path.dirname(os.fspath(path))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    # Non-finite logits (a diverging run) are written as NaN / Infinity, as Python's json reads them.
+    line = json.dumps(record) + "\n"
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line)  # one write per record: a crash cannot leave half a line behind us
+        handle.flush()
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    """One line for the training log: worst layers and totals over the layers this rank holds."""
+    layers = result["layers"]
+    if not layers:
+        return "routing: no MoE layers on this rank"
+    dead = sum(m["dead_experts_window"] for m in layers.values())
+    active = {n: m for n, m in layers.items() if m["num_tokens"] > 0}
+    if not active:
+        return f"routing: no tokens routed | dead experts {dead}"
+    worst_imb = max(active, key=lambda n: active[n]["imbalance"])
+    worst_ent = min(active, key=lambda n: active[n]["load_entropy"])
+    router_entropy = sum(m["router_entropy"] for m in active.values()) / len(active)
+    logit_max = max(m["logit_max_abs"] for m in active.values())
+    return (f"routing: imbalance max {active[worst_imb]['imbalance']:.3f} (layer {worst_imb}) | "
+            f"load entropy min {active[worst_ent]['load_entropy']:.3f} (layer {worst_ent}) | "
+            f"router entropy mean {router_entropy:.3f} | logit max {logit_max:.3g} | "
+            f"dead experts {dead} | warnings {len(result['warnings'])}")

@@ -1,0 +1,42 @@
+"""ModuleSpec builders: the Stable Latent MoE layer inside Megatron-Core's TransformerLayer.
+
+Megatron's own decoder-block spec decides which layers are MoE (``moe_layer_freq``) and provides
+attention, norms and the shared-expert MLP; we swap the MoE submodule of each MoE layer for ours.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_slmoe.moe.config import SLMoEConfig
+from megatron_slmoe.moe.layer import SLMoESubmodules, StableLatentMoELayer
+
+
+def slmoe_mlp_spec(megatron_moe_spec: ModuleSpec, slmoe: SLMoEConfig) -> ModuleSpec:
+    """Our MoE layer spec, keeping the shared-expert spec Megatron chose for this backend."""
+    return ModuleSpec(
+        module=StableLatentMoELayer,
+        submodules=SLMoESubmodules(shared_experts=megatron_moe_spec.submodules.shared_experts),
+        params={"slmoe": slmoe},
+    )
+
+
+def get_slmoe_decoder_block_spec(config: TransformerConfig, slmoe: SLMoEConfig | None = None,
+                                 use_transformer_engine: bool = False,
+                                 vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """The decoder block of a Stable Latent MoE GPT: Megatron's, with our MoE layers."""
+    slmoe = slmoe or SLMoEConfig()
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
+                                       normalization=config.normalization, vp_stage=vp_stage)
+    block = copy.deepcopy(block)
+    for layer_spec in block.layer_specs:
+        mlp = layer_spec.submodules.mlp
+        if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
+            layer_spec.submodules.mlp = slmoe_mlp_spec(mlp, slmoe)
+    return block
