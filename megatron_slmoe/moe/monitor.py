@@ -105,9 +105,10 @@ class _LayerTrack:
         self.dominating_E = [False] * num_experts
 
 
-def _find_routers(model_chunks: Iterable[torch.nn.Module]) -> list[tuple[int, RoutingStatsAccumulator]]:
+def _find_routers(model_chunks: Iterable[torch.nn.Module],
+                  ) -> list[tuple[int, RoutingStatsAccumulator]]:
     found: dict[int, tuple[int, RoutingStatsAccumulator]] = {}  # id(accumulator) -> router
-    layers: dict[int, int] = {}  # layer_number -> id(accumulator)
+    layers: dict[int, str] = {}  # layer_number -> module name
     for chunk in model_chunks:
         for name, module in chunk.named_modules():
             stats = getattr(module, "routing_stats", None)
@@ -122,9 +123,10 @@ def _find_routers(model_chunks: Iterable[torch.nn.Module]) -> list[tuple[int, Ro
                 raise ValueError(f"RoutingMonitor: router module '{name}' has routing_stats but "
                                  f"layer_number={layer_number!r}, not an int")
             if layer_number in layers:
-                raise ValueError(f"RoutingMonitor: two routers report layer_number={layer_number}")
+                raise ValueError(f"RoutingMonitor: two routers report layer_number={layer_number} "
+                                 f"('{layers[layer_number]}' and '{name}')")
             found[id(stats)] = (layer_number, stats)
-            layers[layer_number] = id(stats)
+            layers[layer_number] = name
     return sorted(found.values(), key=lambda item: item[0])
 
 
@@ -139,8 +141,12 @@ def _default_group() -> Optional[torch.distributed.ProcessGroup]:
 
 
 class RoutingMonitor:
+    """Reports the routers held by this rank's model chunks, reduced over ``group`` (default: the
+    tensor+data+context parallel group, i.e. every rank holding the same layers)."""
+
     def __init__(self, model_chunks: torch.nn.Module | Iterable[torch.nn.Module],
-                 config: MonitorConfig, group: Optional[torch.distributed.ProcessGroup] = None) -> None:
+                 config: MonitorConfig,
+                 group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         if isinstance(model_chunks, torch.nn.Module):
             model_chunks = [model_chunks]
         self.config = config
@@ -289,7 +295,7 @@ def _append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
     directory = os.path.dirname(os.fspath(path))
     if directory:
         os.makedirs(directory, exist_ok=True)
-    # Non-finite logits (a diverging run) are written as NaN / Infinity, as Python's json reads them.
+    # Non-finite logits (a diverging run) go out as NaN / Infinity, which Python's json reads.
     line = json.dumps(record) + "\n"
     with open(path, "a", encoding="utf-8") as handle:
         handle.write(line)  # one write per record: a crash cannot leave half a line behind us
