@@ -51,6 +51,9 @@ class StableLatentMoELayer(MoELayer):
         BaseMoELayer.__init__(self, config=config, layer_number=layer_number,
                               pg_collection=pg_collection)
         slmoe = slmoe or SLMoEConfig()
+        if pg_collection.expt_tp.size() > 1:
+            raise ValueError("StableLatentMoELayer keeps each expert whole: set "
+                             "--expert-tensor-parallel-size 1 (expert TP > 1 is not supported yet)")
         self.submodules = submodules
         self.tp_group = pg_collection.tp
         self.router = submodules.router(config=config, pg_collection=pg_collection,

@@ -27,9 +27,19 @@ GLOBAL_BATCH = 8
 NUM_EXPERTS = 4
 
 
+# "megatron": Megatron-Core's own MoE layer; "slmoe": our Stable Latent MoE layer (latent width,
+# shared expert, sigmoid routing with expert bias) from our decoder-block spec.
+VARIANT = {"name": "megatron"}
+
+
 def tiny_config() -> TransformerConfig:
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return TransformerConfig(
+    extra = {}
+    if VARIANT["name"] == "slmoe":
+        extra = dict(moe_latent_size=16, moe_shared_expert_intermediate_size=24,
+                     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_load_balancing_type="seq_aux_loss")
+    return TransformerConfig(**{**dict(
         num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
         num_query_groups=2, kv_channels=8,
         num_moe_experts=NUM_EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=48,
@@ -38,17 +48,23 @@ def tiny_config() -> TransformerConfig:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         sequence_parallel=tp > 1,  # Megatron requires it for MoE with TP>1
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         bf16=False, deterministic_mode=True,
-    )
+    ), **extra})
 
 
 def build_model(config: TransformerConfig) -> GPTModel:
-    spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False,
-                                    normalization="RMSNorm")
+    if VARIANT["name"] == "slmoe":
+        from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
+
+        spec = get_slmoe_decoder_block_spec(config)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False,
+                                        normalization="RMSNorm")
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -151,8 +167,10 @@ def relative_errors(actual: dict[str, torch.Tensor], expected_dir: str) -> dict[
 # --- rank entry points --------------------------------------------------------------------------
 
 
-def reference_run(weights_dir: str, grads_dir: str, stepped_dir: str) -> dict:
+def reference_run(weights_dir: str, grads_dir: str, stepped_dir: str,
+                  variant: str = "megatron") -> dict:
     """Single rank: initial weights, the loss, gradients and one optimizer step, as checkpoints."""
+    VARIANT["name"] = variant
     config = tiny_config()
     model = build_model(config)
     save(model, weights_dir)
@@ -169,8 +187,9 @@ def reference_run(weights_dir: str, grads_dir: str, stepped_dir: str) -> dict:
 
 
 def parallel_run(weights_dir: str, grads_dir: str, stepped_dir: str,
-                 distributed_optimizer: bool = False) -> dict:
+                 distributed_optimizer: bool = False, variant: str = "megatron") -> dict:
     """Any layout: load the reference weights, train one step, compare every local shard."""
+    VARIANT["name"] = variant
     config = tiny_config()
     model = build_model(config)
     load(model, weights_dir)

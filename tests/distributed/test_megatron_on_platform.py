@@ -11,14 +11,23 @@ LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
+def _reference(tmp_path_factory, variant):
+    root = tmp_path_factory.mktemp(f"reference-{variant}")
     dirs = {name: str(root / name) for name in ("weights_dir", "grads_dir", "stepped_dir")}
     for d in dirs.values():
         (root / d).mkdir()
-    (result,) = run_ranks(gpt_case.reference_run, 1, **dirs)
+    (result,) = run_ranks(gpt_case.reference_run, 1, variant=variant, **dirs)
     return dirs, result["loss"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _reference(tmp_path_factory, "megatron")
+
+
+@pytest.fixture(scope="module")
+def slmoe_reference(tmp_path_factory):
+    return _reference(tmp_path_factory, "slmoe")
 
 
 def _check(results, reference_loss, check_grads=True):
@@ -63,3 +72,15 @@ def test_dist_checkpoint_saved_in_one_layout_loads_in_another(reference, tmp_pat
     for rank, errors in enumerate(results):
         assert errors, f"rank {rank} compared nothing"
         assert all(e == 0.0 for e in errors.values()), f"rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param({"tp": 2, "etp": 1}, id="tp2-sequence-parallel"),
+    pytest.param({"ep": 2}, id="ep2-dp2"),
+])
+def test_slmoe_gpt_parallel_layout_matches_single_rank(slmoe_reference, layout):
+    """Our layer (latent width, shared expert, sigmoid routing with expert bias) inside Megatron's
+    GPTModel: same loss, gradients and step on 2 ranks; its expert shards load across EP sizes."""
+    dirs, reference_loss = slmoe_reference
+    results = run_ranks(gpt_case.parallel_run, 2, **layout, **dirs, variant="slmoe")
+    _check(results, reference_loss)
