@@ -1,0 +1,120 @@
+"""Routing health in training: the load-balancing loss lowers load imbalance against a run with
+coefficient 0, a deliberately collapsing router trips the collapse detector, and the expert bias
+stops updating when it is frozen (by default together with the router)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.usefixtures("megatron_single_rank")
+
+HIDDEN, EXPERTS, TOPK = 16, 8, 2
+
+
+def _layer(slmoe=None, **overrides):
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
+
+    fields = dict(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK, moe_ffn_hidden_size=16, moe_latent_size=8,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        use_cpu_initialization=True, params_dtype=torch.float32, moe_router_dtype="fp32",
+    )
+    fields.update(overrides)
+    config = TransformerConfig(**fields)
+    spec = get_slmoe_decoder_block_spec(config, slmoe).layer_specs[0].submodules.mlp
+    layer = build_module(spec, config=config, layer_number=1)
+    layer.set_layer_number(1)
+    return layer, config
+
+
+def _skewed_inputs(steps, gen):
+    """Tokens share a common direction that the skewed router maps onto expert 0."""
+    offset = torch.zeros(HIDDEN)
+    offset[0] = 1.0
+    return [torch.randn(16, 2, HIDDEN, generator=gen) + offset for _ in range(steps)]
+
+
+def _train(aux_coeff, steps=60):
+    from megatron_slmoe.moe.monitor import MonitorConfig, RoutingMonitor
+
+    torch.manual_seed(0)
+    layer, _ = _layer(moe_aux_loss_coeff=aux_coeff)
+    with torch.no_grad():  # start collapsed: most tokens prefer experts 0 and 1
+        layer.router.weight[0, 0] = 0.5
+        layer.router.weight[1, 0] = 0.4
+    teacher = torch.nn.Linear(HIDDEN, HIDDEN)
+    monitor = RoutingMonitor(layer, MonitorConfig(starved_patience=1000))
+    optimizer = torch.optim.Adam(layer.parameters(), lr=2e-2)
+    imbalance = []
+    for step, x in enumerate(_skewed_inputs(steps, torch.Generator().manual_seed(1))):
+        out, _ = layer(x)
+        loss = F.mse_loss(out, teacher(x).detach())
+        optimizer.zero_grad()
+        loss.backward()  # the aux loss rides on the router probs (MoEAuxLossAutoScaler)
+        optimizer.step()
+        imbalance.append(monitor.step(step)["layers"][1]["imbalance"])
+    return imbalance
+
+
+def test_aux_loss_lowers_load_imbalance():
+    without = _train(aux_coeff=0.0)
+    with_aux = _train(aux_coeff=3e-1)
+    late = slice(-10, None)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print(f"\nimbalance (max/mean tokens per expert), first step -> mean of last 10 steps: "
+          f"coeff 0: {without[0]:.2f} -> {mean(without[late]):.2f}; "
+          f"coeff 0.3: {with_aux[0]:.2f} -> {mean(with_aux[late]):.2f}")
+    assert without[0] > 2.0  # the run starts collapsed
+    assert mean(with_aux[late]) < 0.75 * mean(without[late])
+
+
+def test_collapsing_router_trips_the_detector(caplog):
+    from megatron_slmoe.moe.monitor import MonitorConfig, RoutingCollapseError, RoutingMonitor
+
+    layer, _ = _layer()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[3, 0] = 50.0  # every token's first choice is expert 3
+    x = torch.randn(8, 2, HIDDEN, generator=torch.Generator().manual_seed(2)).abs()
+    warn = RoutingMonitor(layer, MonitorConfig(starved_patience=3, dominant_fraction=0.4))
+    layer(x)
+    first = warn.step(0)
+    print("\n" + "\n".join(first["warnings"]))
+    assert any("expert 3" in w for w in first["warnings"]), first["warnings"]
+    assert any("expert 3" in r.getMessage() for r in caplog.records)
+    for step in (1, 2):
+        layer(x)
+        last = warn.step(step)
+    # After `starved_patience` steps the experts that get nothing are reported as starving.
+    assert any("starv" in w for w in last["warnings"]), last["warnings"]
+    layer(x)
+    stop = RoutingMonitor(layer, MonitorConfig(dominant_fraction=0.4, action="stop"))
+    with pytest.raises(RoutingCollapseError, match="layer 1"):
+        stop.step(0)
+
+
+@pytest.mark.parametrize("slmoe_kwargs, bias_moves", [
+    ({}, True),
+    ({"freeze_router": True}, False),  # frozen with the router by default
+    ({"freeze_router": True, "freeze_expert_bias": False}, True),
+    ({"freeze_expert_bias": True}, False),
+])
+def test_expert_bias_updates_only_when_not_frozen(slmoe_kwargs, bias_moves):
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+    from megatron_slmoe.moe.config import SLMoEConfig
+
+    layer, config = _layer(SLMoEConfig(**slmoe_kwargs), moe_router_score_function="sigmoid",
+                           moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2)
+    assert layer.router.weight.requires_grad == (not slmoe_kwargs.get("freeze_router", False))
+    before = layer.router.expert_bias.clone()
+    x = torch.randn(8, 2, HIDDEN, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    layer(x)[0].sum().backward()
+    _update_router_expert_bias([layer], config)  # what Megatron's finalize_model_grads calls
+    moved = not torch.equal(layer.router.expert_bias, before)
+    assert moved == bias_moves
