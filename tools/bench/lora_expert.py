@@ -234,7 +234,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--warmup", type=positive_int, help="untimed runs per measurement (default 2, quick 1)")
-    p.add_argument("--reps", type=positive_int, help="timed runs per measurement (default 5, quick 3)")
+    p.add_argument("--reps", type=positive_int, help="timed runs per measurement (default 5)")
     p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = p.parse_args(argv)
     quick = args.quick
@@ -244,7 +244,7 @@ def parse_args(argv=None):
         ranks=[8, 16],
         shapes=[(128, 64)] if quick else [(256, 128), (128, 256)],
         warmup=1 if quick else 2,
-        reps=3 if quick else 5,
+        reps=5,
     )
     for key, value in defaults.items():
         if getattr(args, key) is None:
