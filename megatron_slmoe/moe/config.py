@@ -17,7 +17,11 @@ class SLMoEConfig:
     """Freeze the router weight (the usual choice when fine-tuning with LoRA)."""
     freeze_expert_bias: Optional[bool] = None
     """Stop the aux-loss-free expert-bias updates. None: frozen exactly when the router is."""
-    dispatcher: str = "allgather"
-    """Token dispatcher: 'allgather' (the all-to-all dispatcher arrives with its own issue)."""
-
-    DISPATCHERS = ("allgather",)
+    dispatcher: str = "alltoall"
+    """Token dispatcher: 'alltoall' (rows go only where their experts are) or 'allgather'."""
+    hierarchical_alltoall: bool = False
+    """Two-hop all-to-all for multi-node expert parallelism (inter-node, then intra-node)."""
+    node_size: Optional[int] = None
+    """Ranks per node for the hierarchical all-to-all; default: the launcher's LOCAL_WORLD_SIZE."""
+    distributed_timeout_minutes: Optional[int] = None
+    """Timeout of the process groups the dispatcher creates; default: torch's."""

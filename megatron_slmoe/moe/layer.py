@@ -17,6 +17,7 @@ treats it as an MoE layer; it does not use MoELayer's construction or forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional, Union
 
 import torch
@@ -26,13 +27,26 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
+from megatron_slmoe.moe.alltoall import AllToAllDispatcher
 from megatron_slmoe.moe.config import SLMoEConfig
 from megatron_slmoe.moe.dispatcher import AllGatherDispatcher
 from megatron_slmoe.moe.experts import LatentSwiGLUExperts
 from megatron_slmoe.moe.latent import build_latent_projections
 from megatron_slmoe.moe.router import SLMoERouter
 
-DISPATCHERS = {"allgather": AllGatherDispatcher}
+def _allgather(slmoe: SLMoEConfig, num_experts, local_expert_indices, ep_group):
+    return AllGatherDispatcher(num_experts, local_expert_indices, ep_group)
+
+
+def _alltoall(slmoe: SLMoEConfig, num_experts, local_expert_indices, ep_group):
+    timeout = (timedelta(minutes=slmoe.distributed_timeout_minutes)
+               if slmoe.distributed_timeout_minutes else None)
+    return AllToAllDispatcher(num_experts, local_expert_indices, ep_group,
+                              hierarchical=slmoe.hierarchical_alltoall,
+                              node_size=slmoe.node_size, timeout=timeout)
+
+
+DISPATCHERS = {"allgather": _allgather, "alltoall": _alltoall}
 
 
 @dataclass
@@ -62,7 +76,7 @@ class StableLatentMoELayer(MoELayer):
         self.latent_down, self.latent_up = (
             build_latent_projections(config) if config.moe_latent_size else (None, None))
         self.dispatcher = DISPATCHERS[slmoe.dispatcher](
-            config.num_moe_experts, self.local_expert_indices, pg_collection.ep)
+            slmoe, config.num_moe_experts, self.local_expert_indices, pg_collection.ep)
         self.experts = build_module(submodules.experts, config, self.num_local_experts,
                                     self.local_expert_indices[0])
         if self.use_shared_expert:

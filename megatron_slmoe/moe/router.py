@@ -10,16 +10,21 @@ tracking logs them. What this class adds:
   ``routing_stats`` for the routing monitor;
 * ``expert_bias_frozen``: Megatron keeps updating the expert bias (in finalize_model_grads) even
   when the router weight is frozen for fine-tuning; a frozen bias stops counting tokens, so the
-  update ``sign(mean - tokens) * rate`` is zero.
+  update ``sign(mean - tokens) * rate`` is zero;
+* capacity dropping by ``megatron_slmoe.moe.capacity`` (its "position" policy keeps the earliest
+  tokens; Megatron's keeps arbitrary ones), applied after Megatron's routing and before the
+  expert-bias token count, where Megatron applies its own.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_slmoe.moe.capacity import apply_capacity
 from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator
 
 
@@ -27,6 +32,10 @@ class SLMoERouter(TopKRouter):
     def __init__(self, config, pg_collection=None, freeze_weight: bool = False,
                  freeze_expert_bias: Optional[bool] = None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
+        # Megatron's routing runs without capacity; we drop tokens ourselves (see module doc).
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self.config = copy.copy(config)
+        self.config.moe_expert_capacity_factor = None
         self.routing_stats = RoutingStatsAccumulator(config.num_moe_experts)
         self.weight.requires_grad_(not freeze_weight)
         # The bias follows the router unless told otherwise.
@@ -34,12 +43,17 @@ class SLMoERouter(TopKRouter):
 
     def _apply_expert_bias(self, routing_map: torch.Tensor,
                            padding_mask: Optional[torch.Tensor] = None):
-        if self.expert_bias_frozen:
-            return
-        super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
+        pass  # deferred to routing(), after capacity dropping
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+        if self.capacity_factor is not None:
+            probs, routing_map = apply_capacity(
+                probs, routing_map, self.topk, self.capacity_factor,
+                self.config.moe_token_drop_policy, self.config.moe_pad_expert_input_to_capacity)
+        if not self.expert_bias_frozen:
+            flat_padding = None if padding_mask is None else padding_mask.reshape(-1)
+            TopKRouter._apply_expert_bias(self, routing_map, padding_mask=flat_padding)
         # Count once per training forward: under activation recomputation the first forward runs
         # without grad and only the recomputation counts (Megatron's rule for the expert bias).
         if self.training and torch.is_grad_enabled():

@@ -36,7 +36,7 @@ def _megatron_layer(config):
     return layer
 
 
-def _our_layer(config):
+def _our_layer(config, dispatcher):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import build_module
 
@@ -44,8 +44,8 @@ def _our_layer(config):
     from megatron_slmoe.moe.specs import slmoe_mlp_spec
 
     megatron_spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=False)
-    layer = build_module(slmoe_mlp_spec(megatron_spec, SLMoEConfig()), config=config,
-                         layer_number=1)
+    layer = build_module(slmoe_mlp_spec(megatron_spec, SLMoEConfig(dispatcher=dispatcher)),
+                         config=config, layer_number=1)
     layer.set_layer_number(1)
     return layer
 
@@ -111,12 +111,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_megatron_moe_layer(case):
+def test_matches_megatron_moe_layer(case, dispatcher):
     torch.manual_seed(0)
     config = _config(**CASES[case])
     megatron_layer = _megatron_layer(config)
-    ours = _our_layer(_config(**CASES[case]))
+    ours = _our_layer(_config(**CASES[case]), dispatcher)
     _copy_weights(megatron_layer, ours)
 
     gen = torch.Generator().manual_seed(1)

@@ -1,0 +1,274 @@
+"""All-to-all token dispatcher: sends each routed row only to the rank that holds its expert.
+
+Runs unchanged on NCCL, HCCL and gloo: the only collectives are ``all_to_all_single`` (through
+Megatron-Core's autograd ``all_to_all``, whose backward is the reverse exchange), and the split
+sizes reach the host once per exchange. Implements the dispatcher interface of
+``megatron_slmoe.moe.dispatcher``.
+
+Flat mode (one exchange over the expert-parallel group):
+  permute the (token, expert) pairs by destination expert (stable: token order within an expert),
+  exchange per-expert counts, exchange the rows with variable splits, regroup the received rows by
+  local expert. ``combine`` is the exact reverse.
+
+Hierarchical mode (multi-node; DeepEP-style two hops):
+  1. inter-node: each token goes once to every node that hosts one of its experts, to the rank
+     there with the same position in the node as the sender, with its router probabilities for
+     that node's experts;
+  2. intra-node: that rank forwards the token once to every rank of its node that hosts one of the
+     token's experts, where it is expanded into (token, local expert) rows.
+  Each token crosses the inter-node network at most once per destination node, so with
+  node-limited routing (``moe_router_num_groups`` = nodes) inter-node bytes per token are bounded by
+  the group limit. ``combine`` reverses both hops, summing partial outputs on the way back.
+
+Capacity dropping and padding are decided by the router (Megatron's ``moe_expert_capacity_factor``,
+``moe_token_drop_policy``, ``moe_pad_expert_input_to_capacity``); the dispatcher moves whatever the
+routing map selects, including nothing: ranks and experts with zero rows are ordinary cases.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+from megatron.core.tensor_parallel.mappings import all_to_all
+
+from megatron_slmoe.moe.traffic import TrafficAccumulator
+
+
+def _exchange(group, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]):
+    """Variable-split all-to-all with autograd (the backward is the reverse exchange)."""
+    if group is None or group.size() == 1:
+        return rows
+    return all_to_all(group, rows, recv_counts, send_counts)
+
+
+def _exchange_counts(group, counts_D: torch.Tensor) -> torch.Tensor:
+    """Every rank sends ``counts_D.view(size, -1)[r]`` to rank r; returns what it received."""
+    if group is None or group.size() == 1:
+        return counts_D.clone()
+    received = torch.empty_like(counts_D)
+    torch.distributed.all_to_all_single(received, counts_D.contiguous(), group=group)
+    return received
+
+
+def _grouped_order(mask_NG: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a boolean [N, G] selection: (group, item) index pairs sorted group-major, items in
+    their original order (a stable permutation by destination)."""
+    group_R, item_R = mask_NG.t().nonzero(as_tuple=True)
+    return group_R, item_R
+
+
+@dataclass
+class _FlatState:
+    token_R: torch.Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    regroup_R: torch.Tensor
+    num_tokens: int
+
+
+@dataclass
+class _HierState:
+    token_A: torch.Tensor
+    a_send: list[int]
+    a_recv: list[int]
+    row_B: torch.Tensor
+    b_send: list[int]
+    b_recv: list[int]
+    num_A: int
+    row_R: torch.Tensor
+    num_B: int
+    num_tokens: int
+
+
+@dataclass
+class NodeLayout:
+    """Where the ranks of one expert-parallel group sit: ``nodes`` x ``per_node`` ranks."""
+
+    nodes: int
+    per_node: int
+    node_of_ep_rank: list[int]
+    slot_of_ep_rank: list[int]
+
+    @staticmethod
+    def from_ranks(ep_ranks: list[int], node_size: int) -> "NodeLayout":
+        node_ids = [r // node_size for r in ep_ranks]
+        distinct = sorted(set(node_ids))
+        members = {n: [i for i, m in enumerate(node_ids) if m == n] for n in distinct}
+        per_node = {len(v) for v in members.values()}
+        if len(per_node) != 1:
+            raise ValueError(f"expert-parallel group {ep_ranks} spans nodes unevenly "
+                             f"(node size {node_size}); hierarchical all-to-all needs the same "
+                             "number of its ranks on every node")
+        node_of, slot_of = [0] * len(ep_ranks), [0] * len(ep_ranks)
+        for n_index, n in enumerate(distinct):
+            for slot, ep_rank in enumerate(members[n]):
+                node_of[ep_rank], slot_of[ep_rank] = n_index, slot
+        return NodeLayout(len(distinct), per_node.pop(), node_of, slot_of)
+
+
+def node_size_from_env(explicit: Optional[int] = None) -> int:
+    """Ranks per node: the flag if given, else the launcher's LOCAL_WORLD_SIZE, else 1 node."""
+    if explicit:
+        return explicit
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value:
+        return int(value)
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+class AllToAllDispatcher:
+    def __init__(self, num_experts: int, local_expert_indices: list[int], ep_group, *,
+                 hierarchical: bool = False, node_size: Optional[int] = None,
+                 timeout: Optional[timedelta] = None) -> None:
+        self.num_experts = num_experts
+        self.num_local = len(local_expert_indices)
+        self.ep_group = ep_group
+        self.ep_size = ep_group.size() if ep_group is not None else 1
+        self.ep_rank = ep_group.rank() if ep_group is not None else 0
+        if local_expert_indices[0] != self.ep_rank * self.num_local:
+            raise ValueError("experts must be laid out contiguously by expert-parallel rank")
+        self.traffic = TrafficAccumulator()
+        ep_ranks = (torch.distributed.get_process_group_ranks(ep_group)
+                    if ep_group is not None and torch.distributed.is_initialized() else [0])
+        self.node_size = node_size_from_env(node_size)
+        self.layout = NodeLayout.from_ranks(ep_ranks, self.node_size)
+        self.hierarchical = hierarchical and self.layout.nodes > 1
+        self.inter_group = self.intra_group = None
+        if self.hierarchical:
+            self.inter_group, self.intra_group = _node_groups(ep_ranks, self.node_size, timeout)
+        self._state = None
+
+    # -- flat ------------------------------------------------------------------------------------
+
+    def dispatch(self, x_TL: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor):
+        if self.hierarchical:
+            return self._dispatch_hierarchical(x_TL, probs_TE, routing_map_TE)
+        expert_R, token_R = _grouped_order(routing_map_TE)
+        counts_E = torch.bincount(expert_R, minlength=self.num_experts)
+        recv_counts_DE = _exchange_counts(self.ep_group, counts_E).view(self.ep_size, self.num_local)
+        send_counts = counts_E.view(self.ep_size, self.num_local).sum(dim=1).tolist()
+        recv_table = recv_counts_DE.tolist()  # the one host sync of the dispatch
+        recv_counts = [sum(row) for row in recv_table]
+        rows_RL = _exchange(self.ep_group, x_TL.index_select(0, token_R), send_counts, recv_counts)
+        probs_R = _exchange(self.ep_group, probs_TE[token_R, expert_R].unsqueeze(-1),
+                            send_counts, recv_counts).squeeze(-1)
+        # Received: source-major, then local expert. Regroup local-expert-major.
+        local_R = torch.arange(self.num_local).repeat(self.ep_size).repeat_interleave(
+            recv_counts_DE.flatten().cpu()).to(rows_RL.device)
+        regroup_R = torch.sort(local_R, stable=True).indices
+        tokens_per_expert_E = recv_counts_DE.sum(dim=0).cpu()
+        self._account_flat(send_counts, x_TL)
+        self._state = _FlatState(token_R, send_counts, recv_counts, regroup_R, x_TL.shape[0])
+        return rows_RL[regroup_R], tokens_per_expert_E, probs_R[regroup_R]
+
+    def combine(self, out_RL: torch.Tensor) -> torch.Tensor:
+        state, self._state = self._state, None
+        if isinstance(state, _HierState):
+            return self._combine_hierarchical(out_RL, state)
+        back_RL = torch.empty_like(out_RL).index_copy(0, state.regroup_R, out_RL)
+        back_RL = _exchange(self.ep_group, back_RL, state.recv_counts, state.send_counts)
+        self._account_flat(state.recv_counts, out_RL)
+        y_TL = out_RL.new_zeros(state.num_tokens, out_RL.shape[-1])
+        return y_TL.index_add(0, state.token_R, back_RL)
+
+    # -- hierarchical ----------------------------------------------------------------------------
+
+    def _dispatch_hierarchical(self, x_TL, probs_TE, routing_map_TE):
+        layout, n_local = self.layout, self.num_local
+        nodes, per_node = layout.nodes, layout.per_node
+        # Experts of node m, in slot order: a [nodes, per_node * n_local] table of expert ids.
+        node_experts = torch.empty(nodes, per_node * n_local, dtype=torch.long)
+        for ep_rank in range(self.ep_size):
+            m, s = layout.node_of_ep_rank[ep_rank], layout.slot_of_ep_rank[ep_rank]
+            node_experts[m, s * n_local:(s + 1) * n_local] = torch.arange(
+                ep_rank * n_local, (ep_rank + 1) * n_local)
+        node_experts = node_experts.to(routing_map_TE.device)
+        T = x_TL.shape[0]
+        # Hop A: token t to node m once if any of its experts is there.
+        map_TMX = routing_map_TE[:, node_experts]  # [T, nodes, per_node*n_local]
+        node_A, token_A = _grouped_order(map_TMX.any(dim=-1))
+        a_send_t = torch.bincount(node_A, minlength=nodes)
+        a_recv = _exchange_counts(self.inter_group, a_send_t).tolist()
+        a_send = a_send_t.tolist()
+        rows_A = _exchange(self.inter_group, x_TL.index_select(0, token_A), a_send, a_recv)
+        probs_A = _exchange(self.inter_group, probs_TE[:, node_experts][token_A, node_A],
+                            a_send, a_recv)
+        mask_A = _exchange(self.inter_group, map_TMX[token_A, node_A].to(x_TL.dtype),
+                           a_send, a_recv).detach().bool()
+        # Hop B: a received row to slot s of this node once if any of its experts is there.
+        num_A = rows_A.shape[0]
+        mask_ASX = mask_A.view(num_A, per_node, n_local)
+        slot_B, row_B = _grouped_order(mask_ASX.any(dim=-1))
+        b_send_t = torch.bincount(slot_B, minlength=per_node)
+        b_recv = _exchange_counts(self.intra_group, b_send_t).tolist()
+        b_send = b_send_t.tolist()
+        rows_B = _exchange(self.intra_group, rows_A.index_select(0, row_B), b_send, b_recv)
+        probs_B = _exchange(self.intra_group,
+                            probs_A.view(num_A, per_node, n_local)[row_B, slot_B], b_send, b_recv)
+        mask_B = _exchange(self.intra_group, mask_ASX[row_B, slot_B].to(x_TL.dtype),
+                           b_send, b_recv).detach().bool()
+        # Expand into (row, local expert) pairs, local-expert-major.
+        expert_R, row_R = _grouped_order(mask_B)
+        tokens_per_expert_E = torch.bincount(expert_R, minlength=n_local).cpu()
+        self.traffic.add(inter=_off_self(a_send, self.inter_group) * x_TL.shape[-1] * x_TL.element_size(),
+                         intra=_off_self(b_send, self.intra_group) * x_TL.shape[-1] * x_TL.element_size())
+        self._state = _HierState(token_A, a_send, a_recv, row_B, b_send, b_recv, num_A, row_R,
+                                 rows_B.shape[0], T)
+        return rows_B.index_select(0, row_R), tokens_per_expert_E, probs_B[row_R, expert_R]
+
+    def _combine_hierarchical(self, out_RL, st: _HierState):
+        width = out_RL.shape[-1]
+        y_B = out_RL.new_zeros(st.num_B, width).index_add(0, st.row_R, out_RL)
+        y_B = _exchange(self.intra_group, y_B, st.b_recv, st.b_send)
+        y_A = out_RL.new_zeros(st.num_A, width).index_add(0, st.row_B, y_B)
+        y_A = _exchange(self.inter_group, y_A, st.a_recv, st.a_send)
+        # Combine sends back what dispatch received.
+        self.traffic.add(inter=_off_self(st.a_recv, self.inter_group) * width * out_RL.element_size(),
+                         intra=_off_self(st.b_recv, self.intra_group) * width * out_RL.element_size())
+        return out_RL.new_zeros(st.num_tokens, width).index_add(0, st.token_A, y_A)
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    def _account_flat(self, send_counts: list[int], rows: torch.Tensor) -> None:
+        row_bytes = rows.shape[-1] * rows.element_size()
+        node_of = self.layout.node_of_ep_rank
+        me = node_of[self.ep_rank]
+        intra = sum(n for r, n in enumerate(send_counts) if r != self.ep_rank and node_of[r] == me)
+        inter = sum(n for r, n in enumerate(send_counts) if node_of[r] != me)
+        self.traffic.add(intra=intra * row_bytes, inter=inter * row_bytes)
+
+
+def _off_self(send_counts: list[int], group) -> int:
+    """Rows sent to other ranks of the group (what stays on this rank costs no network)."""
+    me = group.rank() if group is not None else 0
+    return sum(n for r, n in enumerate(send_counts) if r != me)
+
+
+def _node_groups(ep_ranks: list[int], node_size: int, timeout):
+    """Create, collectively on every rank, the intra-node and same-slot inter-node groups of every
+    expert-parallel group; return this rank's (inter, intra) pair. new_group must be called by all
+    ranks in the same order, so every rank learns every EP group's members first. The groups use
+    the configured distributed timeout."""
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, ep_ranks)
+    mine = torch.distributed.get_rank()
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    inter_group = intra_group = None
+    for group_ranks in sorted({tuple(g) for g in everyone}):
+        layout = NodeLayout.from_ranks(list(group_ranks), node_size)
+        by_node = [[r for i, r in enumerate(group_ranks) if layout.node_of_ep_rank[i] == m]
+                   for m in range(layout.nodes)]
+        for node_ranks in by_node:
+            group = torch.distributed.new_group(node_ranks, **kwargs)
+            if mine in node_ranks:
+                intra_group = group
+        for slot in range(layout.per_node):
+            slot_ranks = [by_node[m][slot] for m in range(layout.nodes)]
+            group = torch.distributed.new_group(slot_ranks, **kwargs)
+            if mine in slot_ranks:
+                inter_group = group
+    return inter_group, intra_group
