@@ -20,6 +20,8 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
+from megatron_slmoe.moe.traffic import TrafficAccumulator
+
 
 class AllGatherDispatcher:
     """Every expert-parallel rank gathers all tokens of its EP group, computes the rows routed to
@@ -27,12 +29,24 @@ class AllGatherDispatcher:
     Simple and robust; it moves every token to every EP rank, so it suits small EP sizes (the
     all-to-all dispatcher moves only routed rows)."""
 
-    def __init__(self, num_experts: int, local_expert_indices: list[int], ep_group) -> None:
+    def __init__(self, num_experts: int, local_expert_indices: list[int], ep_group,
+                 node_size: int | None = None) -> None:
+        from megatron_slmoe.moe.alltoall import NodeLayout, node_size_from_env
+
         self.num_experts = num_experts
         self.first_local = local_expert_indices[0]
         self.num_local = len(local_expert_indices)
         self.ep_group = ep_group
         self.ep_size = ep_group.size() if ep_group is not None else 1
+        self.traffic = TrafficAccumulator()
+        # Peers on this node and on other nodes, for the byte accounting.
+        ep_ranks = (torch.distributed.get_process_group_ranks(ep_group)
+                    if ep_group is not None and torch.distributed.is_initialized() else [0])
+        layout = NodeLayout.from_ranks(ep_ranks, node_size_from_env(node_size))
+        me = ep_group.rank() if ep_group is not None else 0
+        self._peers_intra = sum(1 for r in range(self.ep_size)
+                                if r != me and layout.node_of_ep_rank[r] == layout.node_of_ep_rank[me])
+        self._peers_inter = self.ep_size - 1 - self._peers_intra
         self._restore = None
 
     def dispatch(self, x_TL: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor):
@@ -47,6 +61,11 @@ class AllGatherDispatcher:
         tokens_per_expert_E = torch.bincount(expert_R, minlength=self.num_local).cpu()
         probs_R = probs_TE[:, local][token_R, expert_R]
         self._restore = (token_R, x_TL.shape)
+        # The gather sent our own rows to every peer; combine sends each peer its partial sums.
+        row_bytes = x_TL.shape[-1] * x_TL.element_size()
+        local_rows = x_TL.shape[0] // self.ep_size
+        self.traffic.add(intra=2 * local_rows * self._peers_intra * row_bytes,
+                         inter=2 * local_rows * self._peers_inter * row_bytes)
         return x_TL.index_select(0, token_R), tokens_per_expert_E, probs_R
 
     def combine(self, out_RL: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from megatron_slmoe.moe.latent import build_latent_projections
 from megatron_slmoe.moe.router import SLMoERouter
 
 def _allgather(slmoe: SLMoEConfig, num_experts, local_expert_indices, ep_group):
-    return AllGatherDispatcher(num_experts, local_expert_indices, ep_group)
+    return AllGatherDispatcher(num_experts, local_expert_indices, ep_group, slmoe.node_size)
 
 
 def _alltoall(slmoe: SLMoEConfig, num_experts, local_expert_indices, ep_group):
@@ -85,6 +85,11 @@ class StableLatentMoELayer(MoELayer):
                                                pg_collection=pg_collection)
         self.moe_layer_recompute = (config.recompute_granularity == "selective"
                                     and "moe" in config.recompute_modules)
+
+    @property
+    def traffic_stats(self):
+        """Bytes the dispatcher sent within and between nodes (for the routing monitor)."""
+        return getattr(self.dispatcher, "traffic", None)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
                 padding_mask: Optional[torch.Tensor] = None):

@@ -40,6 +40,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator
+from megatron_slmoe.moe.traffic import TrafficAccumulator
 
 _ACTIONS = ("warn", "stop")
 
@@ -130,6 +131,19 @@ def _find_routers(model_chunks: Iterable[torch.nn.Module],
     return sorted(found.values(), key=lambda item: item[0])
 
 
+def _find_traffic(model_chunks: Iterable[torch.nn.Module]) -> dict[int, TrafficAccumulator]:
+    """Dispatcher byte counters by layer: modules exposing ``traffic_stats`` and ``layer_number``
+    (the MoE layer does, for dispatchers that count)."""
+    found: dict[int, TrafficAccumulator] = {}
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            traffic = getattr(module, "traffic_stats", None)
+            layer_number = getattr(module, "layer_number", None)
+            if isinstance(traffic, TrafficAccumulator) and _is_int(layer_number):
+                found[layer_number] = traffic
+    return found
+
+
 def _default_group() -> Optional[torch.distributed.ProcessGroup]:
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
@@ -149,6 +163,7 @@ class RoutingMonitor:
                  group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         if isinstance(model_chunks, torch.nn.Module):
             model_chunks = [model_chunks]
+        model_chunks = list(model_chunks)
         self.config = config
         self.group = group if group is not None else _default_group()
         self._layers: list[_LayerTrack] = []
@@ -162,17 +177,22 @@ class RoutingMonitor:
                                  f"be > 1/E = {1.0 / num_experts:.4g} (layer {layer_number} has "
                                  f"{num_experts} experts)")
             self._layers.append(_LayerTrack(layer_number, stats, config.window))
+        traffic = _find_traffic(model_chunks)
+        self._traffic = [traffic.get(track.layer_number) for track in self._layers]
 
     @property
     def layer_numbers(self) -> list[int]:
         return [track.layer_number for track in self._layers]
 
     def step(self, iteration: int) -> dict[str, Any]:
-        states = self._reduce_and_reset()
+        states, traffic = self._reduce_and_reset()
         layers: dict[int, dict[str, Any]] = {}
         warnings: list[str] = []
-        for track, state in zip(self._layers, states):
+        for track, state, bytes_2 in zip(self._layers, states, traffic):
             layers[track.layer_number] = self._layer_metrics(track, state, iteration, warnings)
+            if bytes_2 is not None:  # dispatcher traffic over the group, this step
+                layers[track.layer_number]["bytes_intra_node"] = int(bytes_2[0])
+                layers[track.layer_number]["bytes_inter_node"] = int(bytes_2[1])
         result = {"iteration": iteration, "layers": layers, "warnings": warnings}
 
         if warnings and self._is_group_leader():
@@ -186,20 +206,27 @@ class RoutingMonitor:
             raise RoutingCollapseError("; ".join(warnings))
         return result
 
-    def _reduce_and_reset(self) -> list[torch.Tensor]:
-        """All layers' states summed (max field: maximised) over the group, as float64 on CPU."""
+    def _reduce_and_reset(self) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+        """All layers' states summed (max field: maximised) over the group, as float64 on CPU,
+        and the dispatchers' byte counters summed in the same collective."""
         if not self._layers:
-            return []
+            return [], []
         local = [track.stats.state for track in self._layers]
         # A router that never ran still holds a CPU state; reduce on the device the others use.
         device = next((s.device for s in local if s.device.type != "cpu"), local[0].device)
         sizes = [s.numel() for s in local]
         sum_widths = [s[RoutingStatsAccumulator.SUM_FIELDS].numel() for s in local]
         # cat / stack copy, so resetting the accumulators below leaves these intact.
-        sums_flat = torch.cat([s[RoutingStatsAccumulator.SUM_FIELDS].to(device) for s in local])
+        counters = [t.state.to(device) if t is not None else torch.zeros(2, dtype=torch.float64,
+                                                                          device=device)
+                    for t in self._traffic]
+        sums_flat = torch.cat([s[RoutingStatsAccumulator.SUM_FIELDS].to(device) for s in local]
+                              + counters)
         maxes_L = torch.stack([s[RoutingStatsAccumulator.MAX_FIELD].to(device) for s in local])
-        for track in self._layers:
+        for track, traffic in zip(self._layers, self._traffic):
             track.stats.reset()
+            if traffic is not None:
+                traffic.reset()
         if self.group is not None:
             torch.distributed.all_reduce(sums_flat, op=torch.distributed.ReduceOp.SUM,
                                          group=self.group)
@@ -207,13 +234,16 @@ class RoutingMonitor:
                                          group=self.group)
         sums_flat, maxes_L = sums_flat.cpu(), maxes_L.cpu()  # the one host sync per step
 
+        traffic_flat = sums_flat[sum(sum_widths):]
+        sums_flat = sums_flat[:sum(sum_widths)]
+        traffic = [None if t is None else b for t, b in zip(self._traffic, traffic_flat.split(2))]
         reduced = []
         for size, sums, max_value in zip(sizes, sums_flat.split(sum_widths), maxes_L):
             state = torch.zeros(size, dtype=torch.float64)
             state[RoutingStatsAccumulator.SUM_FIELDS] = sums
             state[RoutingStatsAccumulator.MAX_FIELD] = max_value
             reduced.append(state)
-        return reduced
+        return reduced, traffic
 
     def _layer_metrics(self, track: _LayerTrack, state: torch.Tensor, iteration: int,
                        warnings: list[str]) -> dict[str, Any]:

@@ -118,3 +118,15 @@ def test_expert_bias_updates_only_when_not_frozen(slmoe_kwargs, bias_moves):
     _update_router_expert_bias([layer], config)  # what Megatron's finalize_model_grads calls
     moved = not torch.equal(layer.router.expert_bias, before)
     assert moved == bias_moves
+
+
+def test_monitor_reports_dispatcher_traffic_next_to_load():
+    from megatron_slmoe.moe.monitor import MonitorConfig, RoutingMonitor
+
+    layer, _ = _layer()
+    monitor = RoutingMonitor(layer, MonitorConfig())
+    layer(torch.randn(4, 2, HIDDEN))
+    layer.traffic_stats.add(intra=100, inter=40)  # what a multi-rank exchange would have counted
+    metrics = monitor.step(0)["layers"][1]
+    assert (metrics["bytes_intra_node"], metrics["bytes_inter_node"]) == (100, 40)
+    assert monitor.step(1)["layers"][1]["bytes_inter_node"] == 0  # counters reset each step
