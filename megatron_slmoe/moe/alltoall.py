@@ -62,12 +62,44 @@ def _grouped_order(mask_NG: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass
-class _FlatState:
+class _FlatPlan:
     token_R: torch.Tensor
+    expert_R: torch.Tensor
     send_counts: list[int]
     recv_counts: list[int]
     regroup_R: torch.Tensor
-    num_tokens: int
+    tokens_per_expert_E: torch.Tensor
+
+
+class _AsyncAllToAll(torch.autograd.Function):
+    """Starts a variable-split all-to-all and returns its (not yet filled) output; the caller
+    waits on the work handle put in ``works`` before reading it. Backward: the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, group, rows, send_counts, recv_counts, works):
+        ctx.group, ctx.send_counts, ctx.recv_counts = group, send_counts, recv_counts
+        rows = rows.contiguous()
+        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+        works.append(torch.distributed.all_to_all_single(
+            out, rows, recv_counts, send_counts, group=group, async_op=True))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return None, _exchange(ctx.group, grad_out, ctx.recv_counts, ctx.send_counts), None, None, None
+
+
+class _DoneWork:
+    def wait(self) -> bool:
+        return True
+
+
+def _exchange_async(group, rows, send_counts, recv_counts):
+    if group is None or group.size() == 1:
+        return rows, _DoneWork()
+    works: list = []
+    out = _AsyncAllToAll.apply(group, rows, send_counts, recv_counts, works)
+    return out, works[0]
 
 
 @dataclass
@@ -144,36 +176,88 @@ class AllToAllDispatcher:
 
     # -- flat ------------------------------------------------------------------------------------
 
-    def dispatch(self, x_TL: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor):
-        if self.hierarchical:
-            return self._dispatch_hierarchical(x_TL, probs_TE, routing_map_TE)
+    def _plan_flat(self, routing_map_TE: torch.Tensor) -> _FlatPlan:
+        """Destination order of the (token, expert) rows and the exchange sizes (one host sync)."""
         expert_R, token_R = _grouped_order(routing_map_TE)
         counts_E = torch.bincount(expert_R, minlength=self.num_experts)
         recv_counts_DE = _exchange_counts(self.ep_group, counts_E).view(self.ep_size, self.num_local)
         send_counts = counts_E.view(self.ep_size, self.num_local).sum(dim=1).tolist()
-        recv_table = recv_counts_DE.tolist()  # the one host sync of the dispatch
-        recv_counts = [sum(row) for row in recv_table]
-        rows_RL = _exchange(self.ep_group, x_TL.index_select(0, token_R), send_counts, recv_counts)
-        probs_R = _exchange(self.ep_group, probs_TE[token_R, expert_R].unsqueeze(-1),
-                            send_counts, recv_counts).squeeze(-1)
-        # Received: source-major, then local expert. Regroup local-expert-major.
+        recv_counts = recv_counts_DE.sum(dim=1).tolist()
+        # Received rows are source-major, then local expert: this permutation regroups them
+        # local-expert-major.
         local_R = torch.arange(self.num_local).repeat(self.ep_size).repeat_interleave(
-            recv_counts_DE.flatten().cpu()).to(rows_RL.device)
+            recv_counts_DE.flatten().cpu()).to(routing_map_TE.device)
         regroup_R = torch.sort(local_R, stable=True).indices
-        tokens_per_expert_E = recv_counts_DE.sum(dim=0).cpu()
-        self._account_flat(send_counts, x_TL)
-        self._state = _FlatState(token_R, send_counts, recv_counts, regroup_R, x_TL.shape[0])
-        return rows_RL[regroup_R], tokens_per_expert_E, probs_R[regroup_R]
+        return _FlatPlan(token_R, expert_R, send_counts, recv_counts, regroup_R,
+                         recv_counts_DE.sum(dim=0).cpu())
+
+    def dispatch(self, x_TL: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor):
+        if self.hierarchical:
+            return self._dispatch_hierarchical(x_TL, probs_TE, routing_map_TE)
+        plan = self._plan_flat(routing_map_TE)
+        rows_RL = _exchange(self.ep_group, x_TL.index_select(0, plan.token_R),
+                            plan.send_counts, plan.recv_counts)
+        probs_R = _exchange(self.ep_group, probs_TE[plan.token_R, plan.expert_R].unsqueeze(-1),
+                            plan.send_counts, plan.recv_counts).squeeze(-1)
+        self._account_flat(plan.send_counts, x_TL)
+        self._state = (plan, x_TL.shape[0])
+        return rows_RL[plan.regroup_R], plan.tokens_per_expert_E, probs_R[plan.regroup_R]
 
     def combine(self, out_RL: torch.Tensor) -> torch.Tensor:
         state, self._state = self._state, None
         if isinstance(state, _HierState):
             return self._combine_hierarchical(out_RL, state)
-        back_RL = torch.empty_like(out_RL).index_copy(0, state.regroup_R, out_RL)
-        back_RL = _exchange(self.ep_group, back_RL, state.recv_counts, state.send_counts)
-        self._account_flat(state.recv_counts, out_RL)
-        y_TL = out_RL.new_zeros(state.num_tokens, out_RL.shape[-1])
-        return y_TL.index_add(0, state.token_R, back_RL)
+        plan, num_tokens = state
+        back_RL = torch.empty_like(out_RL).index_copy(0, plan.regroup_R, out_RL)
+        back_RL = _exchange(self.ep_group, back_RL, plan.recv_counts, plan.send_counts)
+        self._account_flat(plan.recv_counts, out_RL)
+        y_TL = out_RL.new_zeros(num_tokens, out_RL.shape[-1])
+        return y_TL.index_add(0, plan.token_R, back_RL)
+
+    # -- flat, overlapped --------------------------------------------------------------------------
+
+    @property
+    def supports_overlap(self) -> bool:
+        return not self.hierarchical
+
+    def dispatch_compute_combine(self, x_TL, probs_TE, routing_map_TE, experts, chunks: int):
+        """Flat dispatch -> experts -> combine over ``chunks`` slices of the tokens, with the
+        exchanges of one slice in flight (asynchronous all-to-all) while the experts compute
+        another. Forward only overlaps; the backward runs the reverse exchanges in turn."""
+        bounds = torch.linspace(0, x_TL.shape[0], chunks + 1).long().tolist()
+        slices = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+        def launch(part: slice):
+            plan = self._plan_flat(routing_map_TE[part])
+            rows, w_rows = _exchange_async(self.ep_group, x_TL[part].index_select(0, plan.token_R),
+                                           plan.send_counts, plan.recv_counts)
+            probs, w_probs = _exchange_async(
+                self.ep_group, probs_TE[part][plan.token_R, plan.expert_R].unsqueeze(-1),
+                plan.send_counts, plan.recv_counts)
+            self._account_flat(plan.send_counts, x_TL)
+            return plan, rows, probs, (w_rows, w_probs)
+
+        in_flight = launch(slices[0])
+        returning = []
+        for i, part in enumerate(slices):
+            upcoming = launch(slices[i + 1]) if i + 1 < len(slices) else None
+            plan, rows, probs, works = in_flight
+            for work in works:
+                work.wait()
+            out_RL = experts(rows[plan.regroup_R], plan.tokens_per_expert_E,
+                             probs.squeeze(-1)[plan.regroup_R])
+            back_RL = torch.empty_like(out_RL).index_copy(0, plan.regroup_R, out_RL)
+            back_RL, w_back = _exchange_async(self.ep_group, back_RL, plan.recv_counts,
+                                              plan.send_counts)
+            self._account_flat(plan.recv_counts, out_RL)
+            returning.append((part, plan, back_RL, w_back))
+            in_flight = upcoming
+        width = returning[0][2].shape[-1]
+        y_TL = x_TL.new_zeros(x_TL.shape[0], width)
+        for part, plan, back_RL, work in returning:
+            work.wait()
+            y_TL = y_TL.index_add(0, plan.token_R + part.start, back_RL)
+        return y_TL
 
     # -- hierarchical ----------------------------------------------------------------------------
 

@@ -23,5 +23,18 @@ class SLMoEConfig:
     """Two-hop all-to-all for multi-node expert parallelism (inter-node, then intra-node)."""
     node_size: Optional[int] = None
     """Ranks per node for the hierarchical all-to-all; default: the launcher's LOCAL_WORLD_SIZE."""
+    overlap_chunks: int = 1
+    """With the flat all-to-all: split the tokens into this many chunks and overlap each chunk's
+    exchange with another chunk's expert computation (forward). 1 = no overlap."""
     distributed_timeout_minutes: Optional[int] = None
     """Timeout of the process groups the dispatcher creates; default: torch's."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.overlap_chunks, int) or self.overlap_chunks < 1:
+            raise ValueError(f"slmoe.overlap_chunks must be an integer >= 1, "
+                             f"got {self.overlap_chunks!r}")
+        if self.node_size is not None and self.node_size < 1:
+            raise ValueError(f"slmoe.node_size must be >= 1, got {self.node_size!r}")
+        if self.distributed_timeout_minutes is not None and self.distributed_timeout_minutes <= 0:
+            raise ValueError("slmoe.distributed_timeout_minutes must be positive, "
+                             f"got {self.distributed_timeout_minutes!r}")

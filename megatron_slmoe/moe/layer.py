@@ -83,6 +83,7 @@ class StableLatentMoELayer(MoELayer):
             self.shared_experts = build_module(submodules.shared_experts, config=config,
                                                gate=config.moe_shared_expert_gate,
                                                pg_collection=pg_collection)
+        self.overlap_chunks = slmoe.overlap_chunks
         self.moe_layer_recompute = (config.recompute_granularity == "selective"
                                     and "moe" in config.recompute_modules)
 
@@ -109,10 +110,14 @@ class StableLatentMoELayer(MoELayer):
     def _forward(self, hidden_SBD: torch.Tensor, padding_mask: Optional[torch.Tensor]):
         probs_TE, routing_map_TE = self.router(hidden_SBD, padding_mask)
         x_SBL = self.latent_down(hidden_SBD) if self.latent_down is not None else hidden_SBD
-        rows_RL, tokens_per_expert_E, probs_R = self.dispatcher.dispatch(
-            x_SBL.reshape(-1, x_SBL.shape[-1]), probs_TE, routing_map_TE)
-        out_RL = self.experts(rows_RL, tokens_per_expert_E, probs_R)
-        y_TL = self.dispatcher.combine(out_RL)
+        x_TL = x_SBL.reshape(-1, x_SBL.shape[-1])
+        if self.overlap_chunks > 1 and getattr(self.dispatcher, "supports_overlap", False):
+            y_TL = self.dispatcher.dispatch_compute_combine(
+                x_TL, probs_TE, routing_map_TE, self.experts, self.overlap_chunks)
+        else:
+            rows_RL, tokens_per_expert_E, probs_R = self.dispatcher.dispatch(
+                x_TL, probs_TE, routing_map_TE)
+            y_TL = self.dispatcher.combine(self.experts(rows_RL, tokens_per_expert_E, probs_R))
         y_SBL = y_TL.view(*hidden_SBD.shape[:-1], y_TL.shape[-1])
         output = self.latent_up(y_SBL) if self.latent_up is not None else y_SBL
         if self.shared_experts is not None:

@@ -149,6 +149,10 @@ CASES = [
      "slmoe": {"dispatcher": "alltoall", "drop_policy": "position"}},
     {"name": "allgather-latent-skewed", "latent": True, "skewed": True,
      "slmoe": {"dispatcher": "allgather"}},
+    {"name": "alltoall-overlap3-latent-skewed", "latent": True, "skewed": True,
+     "slmoe": {"dispatcher": "alltoall", "overlap_chunks": 3}},
+    {"name": "alltoall-overlap4-full-uniform", "latent": False, "skewed": False,
+     "slmoe": {"dispatcher": "alltoall", "overlap_chunks": 4}},
 ]
 TOL = 1e-5
 
