@@ -47,6 +47,7 @@ def _worker(rank: int, world_size: int, port: int, layout: dict, fn: Callable, k
             pipeline_model_parallel_size=layout.get("pp", 1),
             expert_model_parallel_size=layout.get("ep", 1),
             expert_tensor_parallel_size=layout.get("etp"),  # None: Megatron's default (= TP)
+            distributed_timeout_minutes=layout.get("timeout_minutes", 30),
         )
         model_parallel_cuda_manual_seed(layout.get("seed", 1234))
         result = fn(**kwargs)
@@ -63,8 +64,9 @@ def _worker(rank: int, world_size: int, port: int, layout: dict, fn: Callable, k
 
 
 def run_ranks(fn: Callable, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
-              etp: int | None = None, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
-    layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
+              etp: int | None = None, timeout_minutes: int = 30, timeout: float = 180.0,
+              **kwargs: Any) -> list[Any]:
+    layout = {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "timeout_minutes": timeout_minutes}
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
         port = free_port()

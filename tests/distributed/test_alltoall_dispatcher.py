@@ -187,3 +187,23 @@ def test_hierarchical_equals_flat_and_saves_inter_node_bytes(name, routing):
     print(f"\n{name}: inter-node bytes flat {flat_inter:.0f}, hierarchical {hier_inter:.0f}, "
           f"ratio {hier_inter / flat_inter:.3f}")
     assert hier_inter < flat_inter
+
+
+def _timeout_minutes(group) -> float:
+    backend = group._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds() / 60
+
+
+def timeout_run() -> dict:
+    from megatron.core import parallel_state
+
+    layer = _layer(True, {"dispatcher": "alltoall", "hierarchical_alltoall": True, "node_size": 2,
+                          "distributed_timeout_minutes": 7})
+    return {"ep": _timeout_minutes(parallel_state.get_expert_model_parallel_group()),
+            "inter": _timeout_minutes(layer.dispatcher.inter_group),
+            "intra": _timeout_minutes(layer.dispatcher.intra_group)}
+
+
+def test_expert_parallel_groups_honour_the_configured_timeout():
+    for result in run_ranks(timeout_run, 4, ep=4, timeout_minutes=7):
+        assert result == {"ep": 7.0, "inter": 7.0, "intra": 7.0}
