@@ -61,7 +61,8 @@ def test_tiny_config_is_what_the_tests_and_demo_expect():
     assert (t["hidden_size"], t["moe_latent_size"], t["moe_ffn_hidden_size"]) == (64, 32, 32)
     assert (t["num_moe_experts"], t["moe_router_topk"]) == (8, 2)
     assert t["moe_router_load_balancing_type"] == "seq_aux_loss"
-    assert (mc.vocab_size, mc.max_sequence_length) == (256, 64)
+    assert (mc.vocab_size, mc.max_sequence_length) == (512, 128)
+    assert t["num_layers"] % 2 == 0  # the PP=2 tests split it in two stages
 
 
 def test_flagship_routing():
@@ -156,7 +157,7 @@ INVALID = [
     ("router-dtype", dict(moe_router_dtype="bf16"), {}, "--moe-router-dtype"),
     ("moe-ffn-missing", dict(moe_ffn_hidden_size=None), {}, "--moe-ffn-hidden-size"),
     ("moe-ffn-zero", dict(moe_ffn_hidden_size=0), {}, "--moe-ffn-hidden-size"),
-    ("layers-vs-pp", {}, dict(pipeline_parallel=2), "--pipeline-model-parallel-size"),
+    ("layers-vs-pp", {}, dict(pipeline_parallel=3), "--pipeline-model-parallel-size"),
     ("tp-without-sp", {}, dict(tensor_parallel=2), "--sequence-parallel"),
     ("shared-expert-zero", dict(moe_shared_expert_intermediate_size=0), {},
      "--moe-shared-expert-intermediate-size"),
@@ -188,7 +189,7 @@ def test_valid_group_limited_routing_passes():
     (dict(tensor_model_parallel_size=2), "--sequence-parallel"),
     (dict(expert_tensor_parallel_size=2), "--expert-tensor-parallel-size"),
     (dict(expert_model_parallel_size=3), "--expert-model-parallel-size"),
-    (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
+    (dict(pipeline_model_parallel_size=3), "--pipeline-model-parallel-size"),
     (dict(moe_router_topk=9), "--moe-router-topk"),
     (dict(no_such_field=1), "--no-such-field"),
 ])
