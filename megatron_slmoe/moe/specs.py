@@ -7,6 +7,7 @@ attention, norms and the shared-expert MLP; we swap the MoE submodule of each Mo
 from __future__ import annotations
 
 import copy
+import logging
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -16,6 +17,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_slmoe.moe.config import SLMoEConfig
 from megatron_slmoe.moe.layer import SLMoESubmodules, StableLatentMoELayer
+
+
+class _KnownMoELayerFilter(logging.Filter):
+    """TransformerLayer warns "Unknown MLP type" for any MLP module it does not list, ours
+    included; the only consequence is that it passes no pg_collection, and our layer takes the
+    default one. Drop that line instead of printing it once per layer."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unknown MLP type")
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_KnownMoELayerFilter())
 
 
 def slmoe_mlp_spec(megatron_moe_spec: ModuleSpec, slmoe: SLMoEConfig) -> ModuleSpec:
