@@ -1,0 +1,18 @@
+"""Data: tokenizers, datasets (instruction JSONL, Megatron indexed pretraining data), shipped assets.
+
+Modules:
+    tokenizer    byte-level BPE tokenizers: ``load_tokenizer``, ``train_tokenizer``, ``Tokenizer``
+    instruction  instruction JSONL -> chat template -> packed fixed-length samples
+    pretrain     text -> Megatron ``.bin/.idx`` (``preprocess``) and GPT samples from them
+    sampler      deterministic, resumable global batches
+    synthetic    the generator of the shipped assets (``megatron_slmoe/assets/``)
+    assets       paths of the shipped assets
+
+Object storage (S3/MinIO/OBS) and the local NVMe cache will live here too (``storage.py``); they do
+not exist yet. Nothing in this package downloads at run time.
+"""
+
+from megatron_slmoe.data.errors import DataError, DataFileNotFoundError
+from megatron_slmoe.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+
+__all__ = ["DataError", "DataFileNotFoundError", "Tokenizer", "load_tokenizer", "train_tokenizer"]

@@ -1,0 +1,361 @@
+"""Instruction JSONL -> chat template -> packed fixed-length causal-LM samples.
+
+Record formats (one JSON object per line; blank lines are ignored; other keys are ignored)::
+
+    {"prompt": "Write in digits: two one", "response": "2 1"}
+    {"messages": [{"role": "system", "content": "..."},        # optional, first only
+                  {"role": "user", "content": "..."},
+                  {"role": "assistant", "content": "..."}, ...]}
+
+A prompt/response record is the messages ``[user: prompt, assistant: response]``. Messages must
+alternate user/assistant after an optional leading system message, start with a user message, and
+end with an assistant message; every assistant content must be non-empty (not just whitespace).
+Anything else (bad JSON, not an object, both or neither of ``prompt``/``messages``, missing keys,
+wrong types, unknown roles, empty response) is a malformed record: it is skipped, counted in
+:class:`InstructionStats` by reason, and logged as a warning ``FILE:LINE: skipped malformed record:
+REASON`` (the first ``max_warnings`` per file; a summary line says how many were not shown).
+
+Chat template (token level; ``<|x|>`` are single special-token ids, content is
+``tokenizer.encode(content)`` of each message alone, so no BPE merge crosses a boundary)::
+
+    [<|system|> system-content]  <|user|> user-content  <|assistant|> assistant-content <|eos|>
+                                 <|user|> ...           <|assistant|> ...              <|eos|>
+
+``<|eos|>`` closes every assistant turn, so it is also what generation stops on, and every example
+ends with ``<|eos|>``. No BOS is added. Targets: the assistant content tokens and the ``<|eos|>`` that
+closes each assistant turn; everything else (system, user, role tokens) is context only.
+
+Packing. Examples are shuffled by ``seed`` (unless ``shuffle=False``) and packed greedily in that
+order into rows of ``seq_length + 1`` tokens; an example never straddles two rows (when the next one
+does not fit, the row is padded with ``<|pad|>`` and a new row begins). Examples longer than
+``seq_length + 1`` tokens are skipped and counted (``too_long``), not truncated: a truncated example
+would lose its response. Each row gives one sample:
+
+    tokens       row[:-1]                 int64 [seq_length]
+    labels       row[1:]                  int64 [seq_length]  (the next token)
+    loss_mask    1.0 where labels is a target token, else 0.0 (prompt, role tokens, padding)
+    position_ids 0 .. seq_length-1        int64, running across the whole row
+
+Position ids run across the packed row and the model uses one causal mask over the whole row
+(later examples can attend to earlier ones in the same row): the same convention as Megatron's
+``GPTDataset`` with ``reset_position_ids=False, reset_attention_mask=False``, so pretraining and
+fine-tuning samples look alike to the model.
+
+Epochs: with ``num_samples`` larger than the number of packed rows, sample ``i`` is row
+``perm_e[i % rows]`` of epoch ``e = i // rows``, each epoch with its own permutation drawn from
+``(seed, e)``. Deterministic for a given file, tokenizer, seq_length and seed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from megatron_slmoe.data.errors import DataError, require_file
+from megatron_slmoe.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Message = Dict[str, str]
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class InstructionStats:
+    """Counts of one load: records read, kept, skipped (and why), and what packing made."""
+
+    records: int = 0                  # non-blank lines read
+    examples: int = 0                 # well-formed records
+    malformed: int = 0                # skipped: malformed (see by_reason)
+    by_reason: Dict[str, int] = field(default_factory=dict)
+    too_long: int = 0                 # skipped: longer than seq_length + 1 tokens
+    packed_examples: int = 0          # examples placed in rows
+    rows: int = 0                     # packed rows (samples per epoch)
+    target_tokens: int = 0            # loss_mask ones over one epoch
+    pad_tokens: int = 0               # padding over one epoch (labels side)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__, by_reason=dict(self.by_reason))
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.by_reason.items()))
+        return (f"{self.records} records, {self.examples} examples, {self.malformed} malformed"
+                f"{f' ({reasons})' if reasons else ''}, {self.too_long} too long, "
+                f"{self.packed_examples} packed into {self.rows} rows")
+
+
+class _Malformed(ValueError):
+    def __init__(self, key: str, detail: str):
+        super().__init__(detail)
+        self.key = key          # the counter key in InstructionStats.by_reason
+
+
+def _check_text(value, what: str, allow_empty: bool) -> str:
+    if not isinstance(value, str):
+        raise _Malformed("wrong type", f"{what} must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise _Malformed("empty response", f"{what} is empty")
+    return value
+
+
+def parse_record(record) -> List[Message]:
+    """The messages of one decoded JSON record; ``ValueError`` with the reason if malformed.
+
+    Reasons (the keys of ``InstructionStats.by_reason``): ``bad json``, ``not an object``,
+    ``both formats``, ``missing key``, ``wrong type``, ``empty response``, ``unknown role``,
+    ``bad turn order``, ``invalid utf-8``.
+    """
+    if not isinstance(record, dict):
+        raise _Malformed("not an object", f"record must be a JSON object, got {type(record).__name__}")
+    has_prompt = "prompt" in record or "response" in record
+    if has_prompt and "messages" in record:
+        raise _Malformed("both formats", "record has both prompt/response and messages")
+    if has_prompt:
+        for key in ("prompt", "response"):
+            if key not in record:
+                raise _Malformed("missing key", f"missing key '{key}'")
+        return [{"role": "user", "content": _check_text(record["prompt"], "prompt", True)},
+                {"role": "assistant", "content": _check_text(record["response"], "response", False)}]
+    if "messages" not in record:
+        raise _Malformed("missing key", "missing key 'prompt'/'response' or 'messages'")
+    raw = record["messages"]
+    if not isinstance(raw, list):
+        raise _Malformed("wrong type", f"messages must be a list, got {type(raw).__name__}")
+    if not raw:
+        raise _Malformed("empty response", "messages is empty")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise _Malformed("wrong type", f"messages[{i}] must be an object, got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise _Malformed("missing key", f"messages[{i}] missing key '{key}'")
+        role = m["role"]
+        if role not in ROLES:
+            raise _Malformed("unknown role", f"messages[{i}] has unknown role {role!r}")
+        content = _check_text(m["content"], f"messages[{i}].content", role != "assistant")
+        messages.append({"role": role, "content": content})
+    first = 1 if messages[0]["role"] == "system" else 0
+    for i in range(first, len(messages)):
+        expected = "user" if (i - first) % 2 == 0 else "assistant"
+        if messages[i]["role"] != expected:
+            raise _Malformed("bad turn order", f"messages[{i}] is {messages[i]['role']}, expected "
+                             f"{expected} (optional system first, then user/assistant alternating)")
+    if messages[-1]["role"] != "assistant":
+        raise _Malformed("bad turn order", "last message must be from the assistant")
+    return messages
+
+
+def read_instruction_jsonl(path: str, stats: Optional[InstructionStats] = None,
+                           max_warnings: int = 20) -> List[List[Message]]:
+    """The well-formed records of one JSONL file as message lists, in file order.
+
+    Malformed records are skipped, counted in ``stats`` and logged (see the module doc). A missing
+    file raises a one-line :class:`~megatron_slmoe.data.errors.DataFileNotFoundError`.
+    """
+    path = require_file(path, "instruction data file")
+    stats = stats if stats is not None else InstructionStats()
+    examples: List[List[Message]] = []
+    warned = skipped_here = 0
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            stats.records += 1
+            try:
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise _Malformed("bad json", f"bad json ({exc})") from None
+                messages = parse_record(record)
+                for m in messages:   # undecodable bytes survive as lone surrogates
+                    try:
+                        m["content"].encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise _Malformed("invalid utf-8", "text is not valid UTF-8") from None
+            except _Malformed as exc:
+                key, reason = exc.key, str(exc)
+                stats.malformed += 1
+                stats.by_reason[key] = stats.by_reason.get(key, 0) + 1
+                skipped_here += 1
+                if warned < max_warnings:
+                    warned += 1
+                    logger.warning("%s:%d: skipped malformed record: %s", path, lineno, reason)
+                continue
+            stats.examples += 1
+            examples.append(messages)
+    if skipped_here > warned:
+        logger.warning("%s: %d more malformed records skipped (not shown)", path, skipped_here - warned)
+    return examples
+
+
+def render_chat(tokenizer: Tokenizer, messages: Sequence[Message]) -> Tuple[List[int], List[int]]:
+    """(token ids, target flags) of one conversation in the chat template (see module doc).
+
+    ``targets[j] == 1`` when ``ids[j]`` is an assistant content token or the ``<|eos|>`` closing
+    an assistant turn: the tokens the loss is taken on (as labels, one position earlier).
+    """
+    ids: List[int] = []
+    targets: List[int] = []
+    for m in messages:
+        content = tokenizer.encode(m["content"])
+        ids.append(tokenizer.role_id(m["role"]))
+        targets.append(0)
+        ids += content
+        if m["role"] == "assistant":
+            ids.append(tokenizer.eos_id)
+            targets += [1] * (len(content) + 1)
+        else:
+            targets += [0] * len(content)
+    return ids, targets
+
+
+def build_generation_prompt(tokenizer: Tokenizer, messages: Sequence[Message]) -> List[int]:
+    """Token ids that ask the model for the next assistant turn: the template of ``messages``
+    (which must not end with an assistant message) followed by ``<|assistant|>``. Generate until
+    ``tokenizer.eos_id``."""
+    if messages and messages[-1]["role"] == "assistant":
+        raise DataError("build_generation_prompt: the last message is already the assistant's")
+    ids, _ = render_chat(tokenizer, messages)
+    return ids + [tokenizer.role_id("assistant")]
+
+
+def split_for_generation(messages: Sequence[Message]) -> Tuple[List[Message], str]:
+    """(context messages, reference answer) of a conversation: all but the last assistant message,
+    and that message's content. For exact-match evaluation with :func:`build_generation_prompt`."""
+    if not messages or messages[-1]["role"] != "assistant":
+        raise DataError("split_for_generation: the conversation must end with an assistant message")
+    return list(messages[:-1]), messages[-1]["content"]
+
+
+def pack_examples(examples: Sequence[Tuple[List[int], List[int]]], seq_length: int, pad_id: int,
+                  stats: Optional[InstructionStats] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """Greedy packing of (ids, targets) examples, in order, into rows of ``seq_length + 1``.
+
+    Returns (rows int64 [R, seq_length+1] padded with ``pad_id``, target flags uint8 same shape).
+    Examples longer than ``seq_length + 1`` are skipped and counted in ``stats.too_long``.
+    """
+    if seq_length < 1:
+        raise DataError(f"seq_length must be >= 1, got {seq_length}")
+    stats = stats if stats is not None else InstructionStats()
+    width = seq_length + 1
+    rows: List[List[int]] = []
+    flags: List[List[int]] = []
+    cur_ids: List[int] = []
+    cur_flags: List[int] = []
+    for ids, targets in examples:
+        if len(ids) > width:
+            stats.too_long += 1
+            continue
+        if len(cur_ids) + len(ids) > width:
+            rows.append(cur_ids)
+            flags.append(cur_flags)
+            cur_ids, cur_flags = [], []
+        cur_ids.extend(ids)
+        cur_flags.extend(targets)
+        stats.packed_examples += 1
+    if cur_ids:
+        rows.append(cur_ids)
+        flags.append(cur_flags)
+    out = np.full((len(rows), width), pad_id, dtype=np.int64)
+    out_flags = np.zeros((len(rows), width), dtype=np.uint8)
+    for r, (ids, fl) in enumerate(zip(rows, flags)):
+        out[r, :len(ids)] = ids
+        out_flags[r, :len(fl)] = fl
+        stats.pad_tokens += width - len(ids)
+    stats.rows = len(rows)
+    stats.target_tokens = int(out_flags[:, 1:].sum())
+    return out, out_flags
+
+
+class InstructionDataset(torch.utils.data.Dataset):
+    """Packed instruction samples from one or more JSONL files (see the module doc).
+
+    Args:
+        paths: a JSONL file or a list of them (read in the given order, then shuffled together).
+        tokenizer: a :class:`~megatron_slmoe.data.tokenizer.Tokenizer` with the role tokens.
+        seq_length: tokens per sample.
+        seed: shuffling seed (example order before packing, and the row order of each epoch).
+        num_samples: dataset length; ``None`` = one epoch (the number of packed rows). Larger values
+            repeat the rows over epochs, each epoch in its own order.
+        shuffle: ``False`` keeps file order and row order (e.g. for evaluation).
+        max_warnings: malformed-record warnings logged per file.
+
+    ``dataset[i]`` is a dict of ``tokens``, ``labels``, ``position_ids`` (int64 [seq_length]) and
+    ``loss_mask`` (float32 [seq_length]). ``stats`` holds the counts; a summary is logged at INFO.
+    A dataset with no usable example raises :class:`DataError`.
+    """
+
+    def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
+                 tokenizer: Tokenizer, seq_length: int, seed: int = 1234,
+                 num_samples: Optional[int] = None, shuffle: bool = True, max_warnings: int = 20):
+        super().__init__()
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        self.paths = [os.fspath(p) for p in paths]
+        if not self.paths:
+            raise DataError("InstructionDataset: no data files given")
+        self.seq_length = int(seq_length)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.tokenizer = tokenizer
+        self.stats = InstructionStats()
+
+        conversations: List[List[Message]] = []
+        for p in self.paths:
+            conversations += read_instruction_jsonl(p, self.stats, max_warnings=max_warnings)
+        self.conversations = conversations
+        examples = [render_chat(tokenizer, m) for m in conversations]
+        order = np.arange(len(examples))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, 0x5EED]).permutation(len(examples))
+        self.rows, self.row_targets = pack_examples([examples[i] for i in order], self.seq_length,
+                                                    tokenizer.pad_id, self.stats)
+        if self.stats.too_long:
+            logger.warning("%s: %d examples longer than seq_length+1=%d tokens skipped",
+                           ", ".join(self.paths), self.stats.too_long, self.seq_length + 1)
+        if self.stats.rows == 0:
+            raise DataError(f"no usable instruction examples in {', '.join(self.paths)} "
+                            f"({self.stats.summary()})")
+        self.num_samples = self.stats.rows if num_samples is None else int(num_samples)
+        if self.num_samples < 0:
+            raise DataError(f"num_samples must be >= 0, got {num_samples}")
+        self._perms: Dict[int, np.ndarray] = {}
+        self._positions = torch.arange(self.seq_length, dtype=torch.int64)
+        logger.info("instruction data %s: %s", ", ".join(self.paths), self.stats.summary())
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return int(self.rows.shape[0])
+
+    def row_index(self, idx: int) -> int:
+        """The packed row that sample ``idx`` reads."""
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
+        epoch, within = divmod(int(idx), self.rows_per_epoch)
+        if not self.shuffle:
+            return within
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.rows_per_epoch)
+            self._perms = {epoch: perm}      # epochs are read in order; keep one
+        return int(perm[within])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        r = self.row_index(idx)
+        row = torch.from_numpy(self.rows[r])
+        return {
+            "tokens": row[:-1].clone(),
+            "labels": row[1:].clone(),
+            "loss_mask": torch.from_numpy(self.row_targets[r, 1:].astype(np.float32)),
+            "position_ids": self._positions.clone(),
+        }

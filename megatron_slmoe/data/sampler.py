@@ -1,0 +1,93 @@
+"""Deterministic, resumable global batches over a map-style dataset.
+
+The training loop asks :class:`GlobalBatchSampler` for the next global batch: ``range(start, start +
+global_batch_size)`` of sample indices, in order, with ``start`` = the samples consumed so far. The
+randomness lives in the dataset (``InstructionDataset``, Megatron's ``GPTDataset``: sample ``i`` is
+already a shuffled draw), so the position alone says where a run is: save ``state_dict()`` with the
+checkpoint, ``load_state_dict()`` on resume, and the run continues with the very next sample.
+
+Each data-parallel rank takes its contiguous slice of the global batch and splits it into micro
+batches (:func:`micro_batches`), like Megatron's ``MegatronPretrainingSampler``; :func:`collate`
+stacks the samples of one micro batch.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Sequence
+
+import torch
+
+from megatron_slmoe.data.errors import DataError
+
+
+class GlobalBatchSampler:
+    """Global batches ``range(consumed, consumed + global_batch_size)`` until ``num_samples``.
+
+    A partial last batch is dropped. ``consumed_samples`` advances as each batch is handed out, so
+    ``state_dict()`` taken after training on a batch points at the next one.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, consumed_samples: int = 0):
+        if global_batch_size < 1:
+            raise DataError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        if num_samples < 0:
+            raise DataError(f"num_samples must be >= 0, got {num_samples}")
+        self.num_samples = int(num_samples)
+        self.global_batch_size = int(global_batch_size)
+        self.consumed_samples = 0
+        self.load_state_dict({"consumed_samples": consumed_samples})
+
+    def __iter__(self) -> Iterator[range]:
+        while self.consumed_samples + self.global_batch_size <= self.num_samples:
+            start = self.consumed_samples
+            self.consumed_samples += self.global_batch_size
+            yield range(start, start + self.global_batch_size)
+
+    def __len__(self) -> int:
+        """Global batches still to come."""
+        return max(0, (self.num_samples - self.consumed_samples) // self.global_batch_size)
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"consumed_samples": self.consumed_samples,
+                "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Continue at ``state["consumed_samples"]`` (a changed global batch size is allowed: the
+        position is counted in samples)."""
+        consumed = int(state["consumed_samples"])
+        if not 0 <= consumed <= self.num_samples:
+            raise DataError(f"consumed_samples {consumed} outside the dataset's "
+                            f"{self.num_samples} samples")
+        self.consumed_samples = consumed
+
+
+def micro_batches(global_batch: range, micro_batch_size: int, data_parallel_rank: int = 0,
+                  data_parallel_size: int = 1) -> List[range]:
+    """This rank's micro batches of a global batch: its contiguous share
+    ``global_batch_size / data_parallel_size``, cut into ``micro_batch_size`` pieces."""
+    gbs = len(global_batch)
+    if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
+        raise DataError(f"bad data-parallel rank {data_parallel_rank} of {data_parallel_size}")
+    if micro_batch_size < 1 or gbs % (micro_batch_size * data_parallel_size):
+        raise DataError(f"global batch size {gbs} is not divisible by micro batch size "
+                        f"{micro_batch_size} x data-parallel size {data_parallel_size}")
+    share = gbs // data_parallel_size
+    start = global_batch.start + data_parallel_rank * share
+    return [range(s, s + micro_batch_size) for s in range(start, start + share, micro_batch_size)]
+
+
+def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Stack a list of sample dicts into a batch dict (each tensor gets a leading batch dim)."""
+    if not samples:
+        raise DataError("collate: no samples")
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def rank_batches(dataset, sampler: GlobalBatchSampler, micro_batch_size: int,
+                 data_parallel_rank: int = 0,
+                 data_parallel_size: int = 1) -> Iterator[List[Dict[str, torch.Tensor]]]:
+    """For each global batch of ``sampler``: this rank's list of collated micro batches."""
+    for global_batch in sampler:
+        yield [collate([dataset[i] for i in mb])
+               for mb in micro_batches(global_batch, micro_batch_size, data_parallel_rank,
+                                       data_parallel_size)]

@@ -1,0 +1,263 @@
+"""Byte-level BPE tokenizers (Hugging Face ``tokenizers``): load, train, and a small wrapper.
+
+The wrapper speaks two dialects:
+
+- ours: ``encode(text) -> list[int]``, ``decode(ids)``, ``vocab_size``, ``eos_id``, ``pad_id``,
+  ``bos_id``, ``special_tokens`` (name -> id);
+- the duck type Megatron-Core's datasets read from ``BlendedMegatronDatasetConfig.tokenizer``:
+  ``vocab_size``, ``eod``, ``eos``, ``bos``, ``pad``, ``tokenize``, ``detokenize``, ``vocab``.
+
+Special tokens. Every tokenizer trained here has the :data:`SPECIAL_TOKENS` at ids 0..5, in that
+order (``<|pad|>`` = 0, ``<|eos|>`` = 1, ...). A loaded tokenizer must have at least ``<|pad|>`` and
+``<|eos|>``; the role tokens are needed only for chat data (see ``data/instruction.py``).
+
+``encode`` treats special-token text in its input as plain text: a data record that contains the
+characters ``<|eos|>`` cannot forge an end-of-sequence token. Special token ids are placed by
+the caller (``encode(..., allow_special=True)`` opts out).
+
+Nothing here downloads: a tokenizer is a local ``tokenizer.json`` file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+
+from megatron_slmoe.data.errors import DataError, require_file
+
+PAD = "<|pad|>"
+EOS = "<|eos|>"
+BOS = "<|bos|>"
+SYSTEM = "<|system|>"
+USER = "<|user|>"
+ASSISTANT = "<|assistant|>"
+
+#: Special tokens of a tokenizer trained by :func:`train_tokenizer`, at ids 0, 1, 2, ...
+SPECIAL_TOKENS = (PAD, EOS, BOS, SYSTEM, USER, ASSISTANT)
+
+#: Role name -> the token that opens a message of that role in the chat template.
+ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError as exc:  # pragma: no cover - install problem
+        raise DataError(f"the `tokenizers` package is required ({exc}); pip install tokenizers") from None
+    return tokenizers
+
+
+class Tokenizer:
+    """A loaded byte-level BPE tokenizer. Build it with :func:`load_tokenizer`."""
+
+    def __init__(self, backend, path: Optional[str] = None):
+        self._tk = backend
+        self.path = path
+        self._vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
+        self.special_tokens: Dict[str, int] = {}
+        for added in backend.get_added_tokens_decoder().values():
+            if added.special:
+                self.special_tokens[added.content] = backend.token_to_id(added.content)
+        where = path or "tokenizer"
+        for required in (PAD, EOS):
+            if required not in self.special_tokens:
+                raise DataError(f"{where}: special token {required} missing "
+                                f"(has {sorted(self.special_tokens)})")
+        self.pad_id = self.special_tokens[PAD]
+        self.eos_id = self.special_tokens[EOS]
+        self.bos_id = self.special_tokens.get(BOS)
+
+    # ---- ours ------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, special tokens included (ids are 0 .. vocab_size-1)."""
+        return self._vocab_size
+
+    def encode(self, text: str, allow_special: bool = False) -> List[int]:
+        """Token ids of ``text``; no special tokens are added. With ``allow_special`` the text of a
+        special token (``"<|eos|>"``) becomes its id, otherwise it is encoded as plain bytes."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        self._tk.encode_special_tokens = not allow_special
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> List[List[int]]:
+        self._tk.encode_special_tokens = not allow_special
+        return [e.ids for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int:
+        """Id of a token (special or not); :class:`DataError` when the vocabulary lacks it."""
+        tid = self._tk.token_to_id(token)
+        if tid is None:
+            raise DataError(f"{self.path or 'tokenizer'}: no token {token!r}")
+        return tid
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        return self._tk.id_to_token(int(token_id))
+
+    def role_id(self, role: str) -> int:
+        """Id of the token that opens a chat message of ``role`` (system, user, assistant)."""
+        if role not in ROLE_TOKENS:
+            raise DataError(f"unknown chat role {role!r} (expected one of {sorted(ROLE_TOKENS)})")
+        token = ROLE_TOKENS[role]
+        if token not in self.special_tokens:
+            raise DataError(f"{self.path or 'tokenizer'}: special token {token} missing; "
+                            "chat data needs a tokenizer trained with the role tokens")
+        return self.special_tokens[token]
+
+    def save(self, path: str) -> None:
+        _atomic_write_text(path, self._tk.to_str(pretty=True))
+
+    # ---- Megatron-Core duck type -----------------------------------------------------------------
+
+    @property
+    def eod(self) -> int:
+        return self.eos_id
+
+    @property
+    def eos(self) -> int:
+        return self.eos_id
+
+    @property
+    def bos(self) -> Optional[int]:
+        return self.bos_id
+
+    @property
+    def pad(self) -> int:
+        return self.pad_id
+
+    @property
+    def special_tokens_dict(self) -> Dict[str, int]:
+        # Megatron's pad-collision check reads this (keys other than "pad_token" must differ from pad).
+        names = {PAD: "pad_token", EOS: "eos_token", BOS: "bos_token"}
+        return {names.get(tok, tok): tid for tok, tid in self.special_tokens.items()}
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._tk.get_vocab(with_added_tokens=True)
+
+    @property
+    def unique_identifiers(self) -> Dict[str, object]:
+        # Megatron's datasets put this in the description (and hash) of their index cache.
+        import hashlib
+
+        if getattr(self, "_digest", None) is None:
+            self._digest = hashlib.sha256(self._tk.to_str().encode("utf-8")).hexdigest()[:16]
+        return {"class": f"{type(self).__module__}.{type(self).__qualname__}",
+                "tokenizer_path": self.path, "vocab_size": self.vocab_size, "sha256": self._digest}
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.encode(text)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self.decode(ids)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load a ``tokenizer.json`` (Hugging Face ``tokenizers`` format) from a local path.
+
+    A missing file raises :class:`~megatron_slmoe.data.errors.DataFileNotFoundError`; a file that is
+    not a valid tokenizer, or lacks ``<|pad|>``/``<|eos|>``, raises :class:`DataError`; each message
+    is one line naming the file.
+    """
+    path = require_file(path, "tokenizer file")
+    tk = _tokenizers()
+    try:
+        backend = tk.Tokenizer.from_file(path)
+    except Exception as exc:  # tokenizers raises a bare Exception with a multi-line serde message
+        reason = " ".join(str(exc).split())[:200]
+        raise DataError(f"not a valid tokenizer.json: {path} ({reason})") from None
+    return Tokenizer(backend, path=path)
+
+
+def iter_training_texts(path: str) -> Iterator[str]:
+    """Texts to train a tokenizer on: the lines of a text file, or for ``.jsonl`` the string fields
+    ``text``, ``prompt``, ``response`` and ``messages[].content`` of each record (bad lines are
+    ignored here; the dataset readers report them)."""
+    path = require_file(path, "tokenizer training file")
+    with open(path, encoding="utf-8") as f:
+        if not path.endswith(".jsonl"):
+            yield from f
+            return
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            for key in ("text", "prompt", "response"):
+                if isinstance(record.get(key), str):
+                    yield record[key]
+            messages = record.get("messages")
+            if isinstance(messages, list):
+                for m in messages:
+                    if isinstance(m, dict) and isinstance(m.get("content"), str):
+                        yield m["content"]
+
+
+def train_tokenizer(text_files: Sequence[str], vocab_size: int, output_path: str,
+                    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+                    min_frequency: int = 2) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on ``text_files`` (``.txt`` or ``.jsonl``, see
+    :func:`iter_training_texts`) and write it to ``output_path`` (a ``tokenizer.json``).
+
+    The vocabulary is the special tokens (ids 0..len-1, in order), the 256 byte symbols, then
+    merges up to ``vocab_size`` in all. The result is deterministic for the same inputs.
+    """
+    special_tokens = list(special_tokens)
+    for required in (PAD, EOS):
+        if required not in special_tokens:
+            raise DataError(f"special_tokens must include {required}")
+    minimum = len(special_tokens) + 256
+    if vocab_size < minimum:
+        raise DataError(f"vocab_size {vocab_size} is below {minimum} "
+                        f"({len(special_tokens)} special tokens + 256 byte symbols)")
+    if not text_files:
+        raise DataError("no training text files given")
+    files = [require_file(p, "tokenizer training file") for p in text_files]
+
+    tk = _tokenizers()
+    backend = tk.Tokenizer(tk.models.BPE())
+    backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=special_tokens,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+
+    def texts():
+        for p in files:
+            yield from iter_training_texts(p)
+
+    backend.train_from_iterator(texts(), trainer=trainer)
+    tokenizer = Tokenizer(backend, path=os.fspath(output_path))
+    tokenizer.save(os.fspath(output_path))
+    return tokenizer
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            if not text.endswith("\n"):
+                f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
