@@ -110,7 +110,8 @@ setup(
     description="Megatron-Core extension for LoRA fine-tuning of Stable Latent MoE models",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_slmoe", "megatron_slmoe.*"]),
-    package_data={"megatron_slmoe": ["configs/*.yaml"]},
+    package_data={"megatron_slmoe": ["configs/*.yaml", "assets/*.txt", "assets/*.jsonl",
+                                     "assets/*.json", "assets/*.md"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16,<0.17",
@@ -118,6 +119,8 @@ setup(
         "safetensors",
         "pyyaml",
         "psutil",  # Megatron-Core's dist-checkpoint writer reads process memory with it
+        "tokenizers",
+        "tensorboard",
     ],
     extras_require={
         "gpu": ["transformer-engine"],

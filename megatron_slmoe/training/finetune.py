@@ -1,0 +1,286 @@
+"""LoRA fine-tuning of a Stable Latent MoE model on Megatron-Core (the main training entry point).
+
+    torchrun --nproc-per-node 2 -m megatron_slmoe.training.finetune --expert-model-parallel-size 2 ...
+
+Megatron-Core does the work: parallel_state, GPTModel with our MoE layers, DDP and the
+(distributed) optimizer over the trainable parameters only, the pipeline schedules, dist
+checkpointing. This module wires them together: arguments, base weights, LoRA, data, the loop,
+evaluation, logging, checkpoints with automatic resume, the adapter and a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from functools import partial
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("megatron_slmoe.training")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from megatron_slmoe.training.arguments import main_guard
+
+    args = main_guard(argv)
+    if args.validate_only:
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    import megatron_slmoe
+
+    return Trainer(args, megatron_slmoe.PLATFORM).run()
+
+
+class Trainer:
+    def __init__(self, args, platform) -> None:
+        self.args, self.platform = args, platform
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        from megatron.core import parallel_state
+
+        from megatron_slmoe.moe.model_config import load_model_config
+        from megatron_slmoe.moe.monitor import MonitorConfig, RoutingMonitor
+        from megatron_slmoe.training import model_setup
+        from megatron_slmoe.training.data_sources import build_sources
+
+        args = self.args
+        model_setup.init_distributed(args, self.platform)
+        self.rank = torch.distributed.get_rank()
+        self.output_dir = args.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        self.model_config = model_setup.model_config_for_run(load_model_config(args.model_config), args)
+        self.bf16 = model_setup.use_bf16(args, self.platform)
+        model, self.config = model_setup.build_model(self.model_config, args, self.platform)
+        if args.base_checkpoint:
+            model_setup.load_base_weights(model, args.base_checkpoint)
+        self.lora_config = None
+        if args.finetune_mode == "lora":
+            self._inject_lora(model)
+        self.model = model
+        self.ddp, self.optimizer, self.scheduler = model_setup.wrap_and_optimize(
+            model, self.config, args, self.bf16)
+        self.monitor = RoutingMonitor([model], MonitorConfig(action=args.collapse_action))
+
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.train, self.valid, self.tokenizer = build_sources(args, self.model_config)
+        self.writer = None
+        if self.rank == 0:
+            from megatron_slmoe.training.metrics import MetricsWriter
+
+            self.writer = MetricsWriter(self.output_dir, tensorboard=not args.no_tensorboard)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            log.info("[finetune] platform=%s backend=%s world=%d tp=%d pp=%d ep=%d dp=%d "
+                     "mode=%s trainable=%s output=%s", self.platform.name, self.platform.backend,
+                     torch.distributed.get_world_size(), args.tensor_model_parallel_size,
+                     args.pipeline_model_parallel_size, args.expert_model_parallel_size,
+                     self.dp_size, args.finetune_mode, f"{trainable:,}", self.output_dir)
+
+    def _inject_lora(self, model) -> None:
+        from megatron_slmoe.lora.adapter import load_adapter
+        from megatron_slmoe.lora.config import LoRAConfig
+        from megatron_slmoe.lora.inject import inject_lora
+
+        args = self.args
+        self.lora_config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha,
+                                      dropout=args.lora_dropout,
+                                      targets=list(args.lora_target_modules))
+        inject_lora([model], self.lora_config)
+        if args.adapter_init:
+            load_adapter([model], args.adapter_init)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def _forward_step(self, data_iterator, model):
+        batch = {k: v.to(self.platform.device()) for k, v in next(data_iterator).items()}
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(_masked_mean_loss, batch["loss_mask"])
+
+    def _microbatches(self, dataset, start: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the global batch of samples ``[start, start + GB)``."""
+        from megatron_slmoe.data.sampler import collate, micro_batches
+
+        window = range(start, start + self.args.global_batch_size)
+        return [collate([dataset[i % len(dataset)] for i in part])
+                for part in micro_batches(window, self.args.micro_batch_size, self.dp_rank,
+                                          self.dp_size)]
+
+    def _run_schedule(self, microbatches, forward_only: bool) -> float:
+        """Mean loss over the global batch (every rank gets it)."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        losses = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iter(microbatches),
+            model=self.ddp, num_microbatches=len(microbatches), seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
+        loss = torch.zeros(1, dtype=torch.float64, device=self.platform.device())
+        if parallel_state.is_pipeline_last_stage():
+            loss += torch.stack([entry["loss"].double() for entry in losses]).mean()
+        # The last stage holds the loss: sum over the pipeline, average over data parallelism.
+        torch.distributed.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())
+        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        return loss.item() / self.dp_size
+
+    def evaluate(self) -> float:
+        self.ddp.eval()
+        with torch.no_grad():
+            losses = [self._run_schedule(
+                self._microbatches(self.valid, i * self.args.global_batch_size), forward_only=True)
+                      for i in range(self.args.eval_iters)]
+        self.ddp.train()
+        return sum(losses) / len(losses)
+
+    def train_step(self, consumed: int) -> tuple[float, Optional[float]]:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run_schedule(self._microbatches(self.train, consumed), forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
+        return loss, grad_norm
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        from megatron_slmoe.training import checkpointing
+
+        self.setup()
+        args = self.args
+        ckpt_root = os.path.join(self.output_dir, "checkpoints")
+        iteration, consumed, eval_before = 0, 0, None
+        resume_from = None if args.no_resume else checkpointing.find_resumable(ckpt_root)
+        if resume_from:
+            state = checkpointing.load_checkpoint(resume_from, [self.model], self.optimizer)
+            self.scheduler.load_state_dict(state["scheduler"])
+            iteration, consumed = state["iteration"], state["consumed_samples"]
+            eval_before = state.get("eval_loss_before")
+            self._info(f"[finetune] resumed from {resume_from} at iteration {iteration}")
+        if eval_before is None:
+            eval_before = self.evaluate()
+            self._info(f"[finetune] held-out loss before training: {eval_before:.4f}")
+
+        tokens_per_step = args.global_batch_size * args.seq_length
+        window_start, window_steps = time.time(), 0
+        eval_loss = eval_before
+        while iteration < args.train_iters:
+            loss, grad_norm = self.train_step(consumed)
+            iteration += 1
+            consumed += args.global_batch_size
+            window_steps += 1
+            routing = self.monitor.step(iteration)
+            record = {"iteration": iteration, "loss": loss, "lr": self.scheduler.get_lr(
+                self.optimizer.param_groups[0]), "grad_norm": grad_norm,
+                "consumed_samples": consumed}
+            if iteration % args.eval_interval == 0 or iteration == args.train_iters:
+                eval_loss = self.evaluate()
+                record["eval_loss"] = eval_loss
+            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                elapsed = time.time() - window_start
+                record["tokens_per_s"] = tokens_per_step * window_steps / max(elapsed, 1e-9)
+                record["memory_bytes"] = _peak_memory(self.platform)
+                eta = elapsed / window_steps * (args.train_iters - iteration)
+                self._info("[finetune] " + _progress(record, args.train_iters, eta))
+                window_start, window_steps = time.time(), 0
+            record["moe"] = _routing_record(self._gather_routing(routing))
+            if self.writer:
+                self.writer.write(record)
+            if iteration % args.save_interval == 0 or iteration == args.train_iters:
+                checkpointing.save_checkpoint(
+                    ckpt_root, iteration, [self.model], self.optimizer,
+                    {"consumed_samples": consumed, "scheduler": self.scheduler.state_dict(),
+                     "eval_loss_before": eval_before}, args.keep_last)
+        return self._finish(eval_before, eval_loss, iteration)
+
+    def _finish(self, eval_before: float, eval_after: float, iteration: int) -> int:
+        adapter_dir = None
+        if self.lora_config is not None:
+            from megatron_slmoe.lora.adapter import save_adapter
+
+            adapter_dir = os.path.join(self.output_dir, "adapter")
+            save_adapter([self.model], adapter_dir, self.lora_config,
+                         {"model_config": self.model_config.name,
+                          "base_checkpoint": self.args.base_checkpoint})
+        if self.args.save_base:
+            from megatron.core import dist_checkpointing
+
+            from megatron_slmoe.training.checkpointing import _write_text_atomic
+
+            if self.rank == 0:
+                os.makedirs(self.args.save_base, exist_ok=True)
+            torch.distributed.barrier()
+            dist_checkpointing.save(self.model.sharded_state_dict(), self.args.save_base)
+            if self.rank == 0:
+                _write_text_atomic(os.path.join(self.args.save_base, "model_config.txt"),
+                                   self.model_config.name)
+        if self.rank == 0:
+            summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after,
+                       "steps": iteration, "adapter_dir": adapter_dir,
+                       "output_dir": self.output_dir, "finetune_mode": self.args.finetune_mode}
+            with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            self._info(f"[finetune] held-out loss {eval_before:.4f} -> {eval_after:.4f}; "
+                       f"summary in {os.path.join(self.output_dir, 'summary.json')}")
+            self.writer.close()
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+        return 0
+
+    def _gather_routing(self, routing: dict) -> list[dict]:
+        """Every pipeline stage's layers, so rank 0's record covers the whole model."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_pipeline_model_parallel_group()
+        gathered = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(gathered, routing, group=group)
+        return gathered
+
+    def _info(self, message: str) -> None:
+        if self.rank == 0:
+            log.info(message)
+
+
+def _peak_memory(platform) -> int:
+    """Peak accelerator memory; on the CPU, the process's peak resident memory."""
+    peak = platform.max_memory_allocated()
+    if peak == 0:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return peak
+
+
+def _masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor):
+    mask = loss_mask.reshape(-1).float()
+    loss = (output.reshape(-1).float() * mask).sum() / mask.sum().clamp_min(1.0)
+    # clone: the schedule divides the returned loss in place by the number of micro-batches
+    return loss, {"loss": loss.detach().clone()}
+
+
+def _progress(record: dict, total: int, eta: float) -> str:
+    from megatron_slmoe.training.metrics import format_progress
+
+    return format_progress(record["iteration"], total, record["loss"], record["lr"],
+                           record["grad_norm"], record["tokens_per_s"], record["memory_bytes"], eta)
+
+
+def _routing_record(per_stage: list[dict]) -> dict:
+    layers, warnings = {}, []
+    for stage in per_stage:
+        warnings += stage["warnings"]
+        for number, metrics in stage["layers"].items():
+            layers[str(number)] = {k: metrics[k] for k in (
+                "tokens_per_expert", "imbalance", "load_entropy", "router_entropy",
+                "dead_experts_window", "logit_rms") if k in metrics}
+    return {"layers": layers, "warnings": warnings}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Where the numbers of a run go: a progress line, metrics.jsonl and TensorBoard (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+
+def format_progress(step: int, total: int, loss: float, lr: float, grad_norm: Optional[float],
+                    tokens_per_s: float, memory_bytes: int, eta_s: float) -> str:
+    memory = f"{memory_bytes / 2**30:.2f} GiB" if memory_bytes else "n/a"
+    grad = "n/a" if grad_norm is None or not math.isfinite(grad_norm) else f"{grad_norm:.3f}"
+    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | grad norm {grad} | "
+            f"{tokens_per_s:,.0f} tokens/s | mem {memory} | ETA {_duration(eta_s)}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to ``metrics.jsonl`` and mirrors the scalar fields to
+    TensorBoard. Only the writing rank constructs one."""
+
+    def __init__(self, output_dir: str, tensorboard: bool = True) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
+            except ImportError:
+                log.warning("tensorboard is not installed: no event files (pip install tensorboard)")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            step = record.get("iteration", 0)
+            for key, value in _scalars(record):
+                self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _scalars(record: dict[str, Any], prefix: str = ""):
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, bool) or key == "iteration":
+            continue
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            yield name, value
+        elif isinstance(value, dict):
+            yield from _scalars(value, prefix=f"{name}/")
