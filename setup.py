@@ -12,6 +12,9 @@ Environment:
     SLMOE_BUILD_NATIVE=0    pure-Python install: no extension, every op uses its torch reference.
     SLMOE_BUILD_CUDA=0|1    force the CUDA kernels (csrc/cuda/*.cu) off or on. Default: on when torch
                             is a CUDA build, a CUDA toolkit is found and csrc/cuda has sources.
+    TORCH_CUDA_ARCH_LIST    GPU architectures of the CUDA kernels, as torch spells them ("8.0;9.0").
+                            Default here: sm_80 and sm_90 machine code plus compute_90 PTX (the
+                            kernels need sm_80 or newer).
     MAX_JOBS                parallel compile jobs (torch.utils.cpp_extension, with ninja).
 """
 
@@ -69,6 +72,22 @@ def _use_cuda(torch, cuda_home, cuda_sources) -> bool:
     return torch.version.cuda is not None and cuda_home is not None and bool(cuda_sources)
 
 
+def _cuda_arch_flags() -> list:
+    """nvcc -gencode flags, or none when TORCH_CUDA_ARCH_LIST is set.
+
+    torch's BuildExtension adds its own arch flags (from TORCH_CUDA_ARCH_LIST, else only the GPUs
+    visible at build time) unless the nvcc flags already contain one, so an explicit default
+    here makes the build independent of the build machine's GPU.
+    """
+    if os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
+        return []
+    return [
+        "-gencode=arch=compute_80,code=sm_80",       # A100
+        "-gencode=arch=compute_90,code=sm_90",       # H100 / H200 (mma.sync, no wgmma)
+        "-gencode=arch=compute_90,code=compute_90",  # PTX, JIT-compiled on newer GPUs
+    ]
+
+
 def _native_extensions():
     """The extension modules and cmdclass, or nothing when SLMOE_BUILD_NATIVE=0."""
     if _env_flag("SLMOE_BUILD_NATIVE") is False:
@@ -92,9 +111,12 @@ def _native_extensions():
         extra_link_args=["-fopenmp"],
     )
     if _use_cuda(torch, CUDA_HOME, cuda_sources):
+        # csrc/cuda: the kernels (*.cu, torch-free, nvcc) and their torch binding (*.cpp, host
+        # compiler with the CUDA include paths). No --use_fast_math: results are compared against
+        # references with tight bounds, and the kernels' cost is in the MMAs, not in math functions.
         ext = CUDAExtension(
-            sources=sources + cuda_sources,
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-Xcompiler", "-fopenmp"]},
+            sources=sources + cuda_sources + _sources("csrc/cuda/*.cpp"),
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"] + _cuda_arch_flags()},
             **kwargs,
         )
     else:

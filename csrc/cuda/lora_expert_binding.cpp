@@ -1,0 +1,179 @@
+// CUDA impl of the grouped LoRA expert op (schema in csrc/bindings.cpp).
+//
+// Thin: the same argument checks as the CPU impl (lora_expert_checks.h, same messages), tensors
+// made contiguous, outputs allocated, then the torch-free launchers of lora_expert_kernels.cu on
+// the current stream. Compiled by the host compiler (no nvcc needed for torch's headers) and only
+// in CUDA builds (setup.py).
+//
+// tokens_per_expert stays a CPU tensor in the op's contract: the counts are validated on the host
+// (as on every device) and then copied to the device through pinned memory, without a sync; the
+// kernels compute the group offsets and the tile schedule from the device copy.
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <array>
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#include "lora_expert_checks.h"
+#include "lora_expert_cuda.h"
+
+namespace slmoe {
+namespace {
+
+cuda::DType to_kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return cuda::DType::kFloat32;
+    case at::kDouble: return cuda::DType::kFloat64;
+    case at::kBFloat16: return cuda::DType::kBFloat16;
+    case at::kHalf: return cuda::DType::kFloat16;
+    default: break;
+  }
+  TORCH_CHECK_TYPE(false, "lora_grouped_linear: unsupported dtype ", t);
+  return cuda::DType::kFloat32;  // not reached
+}
+
+void check_cuda_limits(const GroupedDims& d) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK_VALUE(d.T < kMax && d.E < kMax && d.d_in < kMax && d.d_out < kMax && d.r < kMax,
+                    "lora_grouped_linear (CUDA): T, E, d_in, d_out and r must be below 2^31, got T=", d.T,
+                    ", E=", d.E, ", d_in=", d.d_in, ", d_out=", d.d_out, ", r=", d.r);
+}
+
+// The counts on `device`, copied asynchronously: pinned staging makes the copy truly async (a
+// pageable source may make the driver wait for the stream), and the caching host allocator keeps
+// the staging buffer alive until the copy has run.
+at::Tensor counts_on_device(const at::Tensor& tokens_per_expert, const at::Device& device) {
+  return tokens_per_expert.contiguous().pin_memory().to(device, at::kLong, /*non_blocking=*/true);
+}
+
+at::Tensor workspace(int64_t E, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(cuda::lora_workspace_elems(E))}, like.options().dtype(at::kInt));
+}
+
+std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
+                                                                const at::Tensor& lora_a_in,
+                                                                const at::Tensor& lora_b_in,
+                                                                const at::Tensor& tokens_per_expert,
+                                                                double scaling,
+                                                                const std::optional<at::Tensor>& lora_x_in) {
+  const auto d = check_grouped_inputs(x_in, weight_in, lora_a_in, lora_b_in, tokens_per_expert);
+  if (lora_x_in.has_value()) {
+    check_like(*lora_x_in, x_in, "lora_x");
+    check_shape(*lora_x_in, x_in.sizes(), "lora_x", "like x");
+  }
+  group_offsets(tokens_per_expert, d.T);  // validates the counts; the kernels recompute offsets on the device
+  check_cuda_limits(d);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  const c10::cuda::CUDAGuard device_guard(x_in.device());
+
+  const auto x = x_in.contiguous();
+  const auto weight = weight_in.contiguous();
+  const auto lora_a = lora_a_in.contiguous();
+  const auto lora_b = lora_b_in.contiguous();
+  const auto lora_x = lora_x_in.has_value() ? std::optional<at::Tensor>(lora_x_in->contiguous()) : std::nullopt;
+  auto y = at::empty({d.T, d.d_out}, x.options());
+  auto h = at::empty({d.T, d.r}, x.options());
+  if (d.T == 0) return {y, h};
+
+  const auto counts = counts_on_device(tokens_per_expert, x.device());
+  auto ws = workspace(d.E, x);
+  cuda::LoraFwdArgs args{};
+  args.dtype = to_kernel_dtype(x.scalar_type());
+  args.T = d.T;
+  args.E = d.E;
+  args.d_in = d.d_in;
+  args.d_out = d.d_out;
+  args.r = d.r;
+  args.scaling = scaling;
+  args.x = x.data_ptr();
+  args.lora_x = lora_x.has_value() ? lora_x->data_ptr() : nullptr;
+  args.weight = weight.data_ptr();
+  args.lora_a = lora_a.data_ptr();
+  args.lora_b = lora_b.data_ptr();
+  args.tokens_per_expert = counts.data_ptr<int64_t>();
+  args.y = y.data_ptr();
+  args.h = h.data_ptr();
+  args.workspace = ws.data_ptr<int32_t>();
+  C10_CUDA_CHECK(cuda::lora_grouped_linear_fwd(args, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()));
+  return {y, h};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_cuda(
+    const at::Tensor& grad_y_in, const at::Tensor& lora_x_in, const at::Tensor& weight_in,
+    const at::Tensor& lora_a_in, const at::Tensor& lora_b_in, const at::Tensor& h_in,
+    const at::Tensor& tokens_per_expert, double scaling, const std::optional<at::Tensor>& lora_mask_in,
+    std::array<bool, 3> output_mask) {
+  const auto d = check_grouped_inputs(lora_x_in, weight_in, lora_a_in, lora_b_in, tokens_per_expert);
+  check_like(grad_y_in, lora_x_in, "grad_y");
+  check_shape(grad_y_in, {d.T, d.d_out}, "grad_y", "[T, d_out]");
+  check_like(h_in, lora_x_in, "h");
+  check_shape(h_in, {d.T, d.r}, "h", "[T, r]");
+  if (lora_mask_in.has_value()) {
+    check_like(*lora_mask_in, lora_x_in, "lora_mask");
+    check_shape(*lora_mask_in, lora_x_in.sizes(), "lora_mask", "like x");
+  }
+  group_offsets(tokens_per_expert, d.T);
+  check_cuda_limits(d);
+  const bool need_dx = output_mask[0], need_da = output_mask[1], need_db = output_mask[2];
+  at::AutoDispatchBelowADInplaceOrView guard;
+  const c10::cuda::CUDAGuard device_guard(lora_x_in.device());
+
+  const auto dy = grad_y_in.contiguous();
+  const auto lora_x = lora_x_in.contiguous();
+  const auto weight = weight_in.contiguous();
+  const auto lora_a = lora_a_in.contiguous();
+  const auto lora_b = lora_b_in.contiguous();
+  const auto h = h_in.contiguous();
+  const auto mask = lora_mask_in.has_value() ? std::optional<at::Tensor>(lora_mask_in->contiguous()) : std::nullopt;
+
+  const auto opts = lora_x.options();
+  at::Tensor dx = need_dx ? at::empty({d.T, d.d_in}, opts) : at::Tensor();
+  at::Tensor da = need_da ? at::empty({d.E, d.r, d.d_in}, opts) : at::Tensor();
+  at::Tensor db = need_db ? at::empty({d.E, d.d_out, d.r}, opts) : at::Tensor();
+  if (!need_dx && !need_da && !need_db) return {dx, da, db};
+  // dh = s dy B feeds both dA and dx; one [T, r] scratch, each expert's rows written once.
+  at::Tensor dh = (need_dx || need_da) ? at::empty({d.T, d.r}, opts) : at::Tensor();
+
+  // With T == 0 the kernels still run: every expert is empty and gets zero dA, dB.
+  const auto counts = counts_on_device(tokens_per_expert, lora_x.device());
+  auto ws = workspace(d.E, lora_x);
+  cuda::LoraBwdArgs args{};
+  args.dtype = to_kernel_dtype(lora_x.scalar_type());
+  args.T = d.T;
+  args.E = d.E;
+  args.d_in = d.d_in;
+  args.d_out = d.d_out;
+  args.r = d.r;
+  args.scaling = scaling;
+  args.grad_y = dy.data_ptr();
+  args.lora_x = lora_x.data_ptr();
+  args.weight = weight.data_ptr();
+  args.lora_a = lora_a.data_ptr();
+  args.lora_b = lora_b.data_ptr();
+  args.h = h.data_ptr();
+  args.lora_mask = mask.has_value() ? mask->data_ptr() : nullptr;
+  args.tokens_per_expert = counts.data_ptr<int64_t>();
+  args.dx = need_dx ? dx.data_ptr() : nullptr;
+  args.da = need_da ? da.data_ptr() : nullptr;
+  args.db = need_db ? db.data_ptr() : nullptr;
+  args.dh = dh.defined() ? dh.data_ptr() : nullptr;
+  args.workspace = ws.data_ptr<int32_t>();
+  C10_CUDA_CHECK(
+      cuda::lora_grouped_linear_bwd(args, c10::cuda::getCurrentCUDAStream(lora_x.device().index()).stream()));
+  return {dx, da, db};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(slmoe, CUDA, m) {
+  m.impl("lora_grouped_linear_fwd", &lora_grouped_linear_fwd_cuda);
+  m.impl("lora_grouped_linear_bwd", &lora_grouped_linear_bwd_cuda);
+}
+
+}  // namespace slmoe
