@@ -29,7 +29,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = main_guard(argv)
     if args.validate_only:
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Our progress lines and data summaries from rank 0; everyone's warnings; not Megatron's
+    # INFO chatter (it prints whole configs).
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("megatron_slmoe").setLevel(logging.INFO)
     import megatron_slmoe
 
     return Trainer(args, megatron_slmoe.PLATFORM).run()
@@ -166,6 +170,7 @@ class Trainer:
             self._info(f"[finetune] held-out loss before training: {eval_before:.4f}")
 
         tokens_per_step = args.global_batch_size * args.seq_length
+        self.collapse_warnings = 0
         window_start, window_steps = time.time(), 0
         eval_loss = eval_before
         while iteration < args.train_iters:
@@ -187,7 +192,8 @@ class Trainer:
                 eta = elapsed / window_steps * (args.train_iters - iteration)
                 self._info("[finetune] " + _progress(record, args.train_iters, eta))
                 window_start, window_steps = time.time(), 0
-            record["moe"] = _routing_record(self._gather_routing(routing))
+            self.collapse_warnings += len(routing["warnings"])
+            record["moe"] = self.last_routing = _routing_record(self._gather_routing(routing))
             if self.writer:
                 self.writer.write(record)
             if iteration % args.save_interval == 0 or iteration == args.train_iters:
@@ -219,11 +225,21 @@ class Trainer:
                 _write_text_atomic(os.path.join(self.args.save_base, "model_config.txt"),
                                    self.model_config.name)
         if self.rank == 0:
+            load = {layer: {k: m[k] for k in ("imbalance", "load_entropy", "dead_experts_window")}
+                    for layer, m in getattr(self, "last_routing", {"layers": {}})["layers"].items()}
             summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after,
                        "steps": iteration, "adapter_dir": adapter_dir,
-                       "output_dir": self.output_dir, "finetune_mode": self.args.finetune_mode}
+                       "output_dir": self.output_dir, "finetune_mode": self.args.finetune_mode,
+                       "expert_load_last_step": load, "collapse_warnings": self.collapse_warnings}
             with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
+            worst = max((m["imbalance"] for m in load.values()), default=float("nan"))
+            dead = sum(m["dead_experts_window"] for m in load.values())
+            self._info(f"[finetune] expert load: worst imbalance (max/mean) {worst:.2f} over "
+                       f"{len(load)} MoE layers, {dead} experts without tokens in the last window, "
+                       f"{self.collapse_warnings} collapse warnings")
+            if adapter_dir:
+                self._info(f"[finetune] adapter: {adapter_dir}")
             self._info(f"[finetune] held-out loss {eval_before:.4f} -> {eval_after:.4f}; "
                        f"summary in {os.path.join(self.output_dir, 'summary.json')}")
             self.writer.close()

@@ -22,6 +22,8 @@ def init_distributed(args, platform) -> None:
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(platform.backend, timeout=timeout)
+    if parallel_state.model_parallel_is_initialized():  # e.g. by a test harness
+        return
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
