@@ -13,7 +13,8 @@
 # Any compile error or failed emulated case: non-zero exit.
 #
 #   bash .ci/compile_cuda.sh [--no-emu]
-# Environment: MAX_JOBS (nvcc --threads, default 1), PYTHON (default: python, else python3).
+# Environment: MAX_JOBS (nvcc --threads, default 1), PYTHON (default: .venv/bin/python, else python,
+# else python3), CUDA_HOME, CXX.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -79,7 +80,9 @@ done
 # Step 2. The binding needs torch's headers; a CPU-only torch ships the c10/cuda headers but not the
 # generated cuda_cmake_macros.h, which only carries export macros, so it is skipped for the check.
 cpp_sources=(csrc/cuda/*.cpp)
-python=${PYTHON:-$(command -v python || command -v python3 || true)}
+python=${PYTHON:-}
+if [ -z "$python" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python; fi  # scripts/test.sh's venv
+if [ -z "$python" ]; then python=$(command -v python || command -v python3 || true); fi
 torch_includes=""
 if [ ${#cpp_sources[@]} -gt 0 ] && [ -n "$python" ]; then
     torch_includes=$("$python" -c 'from torch.utils.cpp_extension import include_paths; print(" ".join(include_paths()))' 2>/dev/null || true)
