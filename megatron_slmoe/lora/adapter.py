@@ -1,0 +1,367 @@
+"""Adapters as files that do not depend on the parallel layout, and merging them into the base.
+
+An adapter directory holds two files and nothing that is unpickled:
+
+* ``adapter_config.json``: format version, tensor naming, the LoRAConfig, the base model identity
+  (see ``LoRAConfig.to_json``);
+* ``adapter_model.safetensors``: every LoRA tensor, unsharded, in its TP=1 layout.
+
+**Tensor names** (``tensor_naming = megatron_slmoe.global.v1``): the Megatron module path with the
+*global* layer index, then ``lora_A.weight`` [r, in] or ``lora_B.weight`` [out, r]::
+
+    decoder.layers.0.self_attention.linear_qkv.lora_A.weight    [r, d]
+    decoder.layers.0.self_attention.linear_qkv.lora_B.weight    [qkv_out, r]  (Megatron's qkv order)
+    decoder.layers.0.mlp.linear_fc1.lora_B.weight               [2F, r]       (gate rows, then up)
+    decoder.layers.2.mlp.router.lora_B.weight                   [E, r]
+    decoder.layers.2.mlp.latent_down.lora_A.weight              [r, d]
+    decoder.layers.2.mlp.shared_experts.linear_fc2.lora_A.weight
+    decoder.layers.2.mlp.experts.5.linear_fc1.lora_A.weight     [r, l]        (global expert 5)
+    decoder.layers.2.mlp.experts.5.linear_fc2.lora_B.weight     [l, r]
+
+The stacked expert factors of a rank are split per *global* expert index, so the same file serves
+any expert-parallel size; TP shards are joined along their partition dim (a gated fc1's B per
+half, as Megatron's checkpoints do); pipeline stages contribute their own layers.
+
+**Collectives.** ``lora_state_dict`` and ``save_adapter`` gather every rank's pieces to one rank
+with one object gather over the world (each block is sent once: only the first data-parallel
+replica sends, and replicated-over-TP blocks only from TP rank 0). Global rank 0 writes the files
+into a temporary directory next to the target and moves it into place with ``os.replace``; an
+existing adapter directory is swapped out only after the new one is complete, so a reader never
+sees a half-written adapter. ``load_adapter`` reads on every rank just the slices that rank holds,
+then agrees with the others (one all-reduce) that nothing was missing or left over.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Mapping, Optional
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_slmoe.lora.config import FORMAT_VERSION, TENSOR_NAMING, LoRAConfig, read_base_info
+from megatron_slmoe.lora.inject import (
+    ModelChunks,
+    inject_lora,
+    injected_config,
+    lora_modules,
+    unwrap_chunks,
+)
+from megatron_slmoe.lora.layers import LoRAPiece
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be read, or does not fit the model (one line)."""
+
+
+# --- where this rank stands ----------------------------------------------------------------------
+
+
+def _dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _world() -> tuple[int, int]:
+    if not _dist():
+        return 0, 1
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def _is_primary(piece: LoRAPiece) -> bool:
+    """Whether this rank sends the piece (exactly one rank does for every block)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return True
+    if piece.expert:
+        return (parallel_state.get_expert_data_parallel_rank() == 0
+                and parallel_state.get_expert_tensor_parallel_rank() == 0)
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return False
+    return not piece.replicated_over_tp or parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def _pieces(model_chunks: ModelChunks) -> list[LoRAPiece]:
+    return [piece for module in lora_modules(model_chunks) for piece in module.lora_pieces()]
+
+
+def _collective_device(model_chunks: ModelChunks) -> torch.device:
+    for chunk in unwrap_chunks(model_chunks):
+        for param in chunk.parameters():
+            return param.device
+    return torch.device("cpu")
+
+
+# --- gathering -----------------------------------------------------------------------------------
+
+
+def lora_state_dict(model_chunks: ModelChunks, dst: Optional[int] = 0
+                    ) -> Optional[dict[str, torch.Tensor]]:
+    """Every LoRA tensor of the model, unsharded and globally named (see the module doc).
+
+    Collective over all ranks. Returns the dict on global rank ``dst`` and None elsewhere, or on
+    every rank when ``dst`` is None. Tensors are CPU copies in the parameters' dtype.
+    """
+    rank, world = _world()
+    mine = [(p.name, p.global_shape, p.index, p.local.detach().to("cpu", copy=True))
+            for p in _pieces(model_chunks) if _is_primary(p)]
+    if world == 1:
+        gathered = [mine]
+    elif dst is None:
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, mine)
+    else:
+        gathered = [None] * world if rank == dst else None
+        torch.distributed.gather_object(mine, gathered, dst=dst)
+    if dst is not None and rank != dst:
+        return None
+    return _assemble(piece for pieces in gathered for piece in pieces)
+
+
+def _assemble(pieces) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for name, shape, index, block in pieces:
+        if name not in tensors:
+            tensors[name] = torch.empty(shape, dtype=block.dtype)
+            covered[name] = torch.zeros(shape, dtype=torch.bool)
+        elif tuple(tensors[name].shape) != tuple(shape) or tensors[name].dtype != block.dtype:
+            raise RuntimeError(f"lora tensor {name}: ranks disagree on its shape or dtype "
+                               f"({tuple(tensors[name].shape)} {tensors[name].dtype} vs "
+                               f"{tuple(shape)} {block.dtype})")
+        if covered[name][index].any():
+            raise RuntimeError(f"lora tensor {name}: block {index} sent twice")
+        tensors[name][index] = block
+        covered[name][index] = True
+    for name, mask in covered.items():
+        if not bool(mask.all()):
+            raise RuntimeError(f"lora tensor {name}: {int((~mask).sum())} elements held by no rank")
+    return {name: tensors[name] for name in sorted(tensors)}
+
+
+# --- saving --------------------------------------------------------------------------------------
+
+
+def _check_same_config(model_config: LoRAConfig, other: LoRAConfig, what: str) -> None:
+    for field in ("rank", "alpha", "targets"):
+        mine, theirs = getattr(model_config, field), getattr(other, field)
+        if field == "targets":
+            mine, theirs = sorted(mine), sorted(theirs)
+        if mine != theirs:
+            raise AdapterError(f"{what} has lora.{field} {theirs!r} but the model's adapters "
+                               f"were injected with {mine!r}")
+
+
+def save_adapter(model_chunks: ModelChunks, directory: str | os.PathLike, lora_config: LoRAConfig,
+                 base_info: Optional[Mapping[str, Any]] = None) -> str:
+    """Write ``adapter_model.safetensors`` and ``adapter_config.json`` into ``directory``.
+
+    Collective over all ranks; global rank 0 writes, atomically (see the module doc). Every rank
+    returns the directory's absolute path once it is in place, or raises the writer's error.
+    """
+    injected = injected_config(model_chunks)
+    if injected is None:
+        raise AdapterError("save_adapter: the model has no LoRA adapters (inject_lora first)")
+    _check_same_config(injected, lora_config, "save_adapter's lora_config")
+    config_text = lora_config.to_json(base_info)
+    directory = os.path.abspath(os.fspath(directory))
+    tensors = lora_state_dict(model_chunks, dst=0)
+    rank, world = _world()
+    error = None
+    if rank == 0:
+        try:
+            if not tensors:
+                raise AdapterError("save_adapter: the model has no LoRA tensors")
+            _write_adapter(directory, tensors, config_text)
+        except (OSError, ValueError, RuntimeError) as err:
+            error = f"{type(err).__name__}: {err}"
+    if world > 1:
+        status = [error]
+        torch.distributed.broadcast_object_list(status, src=0)
+        error = status[0]
+    if error is not None:
+        raise AdapterError(f"save_adapter {directory}: {error}")
+    return directory
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_adapter(directory: str, tensors: dict[str, torch.Tensor], config_text: str) -> None:
+    from safetensors.torch import save_file
+
+    parent, base = os.path.split(directory)
+    if os.path.lexists(directory):
+        if not os.path.isdir(directory):
+            raise AdapterError(f"{directory} exists and is not a directory")
+        if os.listdir(directory) and not os.path.exists(os.path.join(directory, ADAPTER_CONFIG)):
+            raise AdapterError(f"{directory} is a non-empty directory that holds no adapter; "
+                               f"refusing to replace it")
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    try:
+        weights = os.path.join(staging, ADAPTER_WEIGHTS)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, weights,
+                  metadata={"format": "pt", "format_version": str(FORMAT_VERSION),
+                            "tensor_naming": TENSOR_NAMING})
+        config = os.path.join(staging, ADAPTER_CONFIG)
+        with open(config, "w", encoding="utf-8") as fh:
+            fh.write(config_text)
+        for path in (weights, config, staging):
+            _fsync(path)
+        if os.path.lexists(directory):
+            retired = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
+            os.replace(directory, retired)  # onto the empty placeholder
+            os.replace(staging, directory)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, directory)
+        _fsync(parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def read_adapter_config(directory: str | os.PathLike) -> tuple[LoRAConfig, dict[str, Any]]:
+    """(LoRAConfig, base-model identity) of an adapter directory; one AdapterError line."""
+    path = os.path.join(os.fspath(directory), ADAPTER_CONFIG)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise AdapterError(f"cannot read {path}: {reason}") from None
+    try:
+        return LoRAConfig.from_json(text), read_base_info(text)
+    except ValueError as err:
+        raise AdapterError(f"{path}: {err}") from None
+
+
+def _check_base_info(expected: Mapping[str, Any], recorded: Mapping[str, Any], where: str) -> None:
+    for key, value in expected.items():
+        if key in recorded and recorded[key] != value:
+            raise AdapterError(f"{where} was trained on base model {key}={recorded[key]!r}, "
+                               f"not {value!r}")
+
+
+def load_adapter(model_chunks: ModelChunks, directory: str | os.PathLike,
+                 base_info: Optional[Mapping[str, Any]] = None) -> LoRAConfig:
+    """Load an adapter directory into the LoRA tensors of any parallel layout; returns its config.
+
+    A model without adapters gets them first (``inject_lora`` with the adapter's config; do that
+    before wrapping in DDP). Refuses, with one AdapterError line on every rank: a config whose
+    rank/alpha/targets differ from the injected ones, a ``base_info`` entry that differs from the
+    recorded one, a missing tensor or one of the wrong shape, tensors the model does not use.
+    Collective over all ranks.
+    """
+    directory = os.fspath(directory)
+    config, recorded = read_adapter_config(directory)
+    _check_base_info(base_info or {}, recorded, directory)
+    injected = injected_config(model_chunks)
+    if injected is None:
+        inject_lora(model_chunks, config)
+    else:
+        _check_same_config(injected, config, directory)
+    weights = os.path.join(directory, ADAPTER_WEIGHTS)
+
+    error, owned, names = None, 0, None
+    try:
+        error, owned, names = _read_pieces(weights, _pieces(model_chunks))
+    except AdapterError as err:
+        error = str(err)
+    rank, world = _world()
+    if world > 1:
+        status = torch.tensor([1 if error else 0, owned], dtype=torch.int64,
+                              device=_collective_device(model_chunks))
+        torch.distributed.all_reduce(status)
+        failed, owned = status.tolist()
+        if failed and error is None:
+            error = f"{weights}: does not fit the model on another rank (see its error)"
+    if error is None and names is not None and owned != len(names):
+        error = (f"{weights} holds {len(names)} tensors but this model's adapters use {owned} "
+                 f"(different base model or targets)")
+    if error is not None:
+        raise AdapterError(error)
+    return config
+
+
+def _read_pieces(weights: str, pieces: list[LoRAPiece]):
+    """Copy this rank's slices; (first error or None, names this rank owns, names in the file)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isfile(weights):
+        raise AdapterError(f"{weights}: no such file")
+    try:
+        handle = safe_open(weights, framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as err:
+        raise AdapterError(f"{weights} is not a readable safetensors file: {err}") from None
+    with handle:
+        names = set(handle.keys())
+        owned = 0
+        with torch.no_grad():
+            for piece in pieces:
+                if piece.name not in names:
+                    return f"{weights} has no tensor {piece.name}", owned, names
+                view = handle.get_slice(piece.name)
+                shape = tuple(view.get_shape())
+                if shape != tuple(piece.global_shape):
+                    return (f"{weights}: {piece.name} has shape {list(shape)}, the model needs "
+                            f"{list(piece.global_shape)}"), owned, names
+                piece.local.copy_(view[piece.index])
+                if _is_primary(piece) and all(s.start == 0 for s in piece.index):
+                    owned += 1
+    return None, owned, names
+
+
+# --- merging -------------------------------------------------------------------------------------
+
+
+def merge_lora(model_chunks: ModelChunks) -> list[str]:
+    """Fold ``W += s * B A`` into every adapted base weight (per expert too), in place, and remove
+    the adapters: the modules get their base classes back and the model's state dicts are those of
+    the base model again. Base parameters stay frozen. Returns the merged modules' names. Local
+    (no communication): each rank merges its own shards."""
+    merged = []
+    for module in lora_modules(model_chunks):
+        module.merge_lora_()
+        merged.append(module.lora_name)
+        module.remove_lora()
+    for chunk in unwrap_chunks(model_chunks):
+        chunk.__dict__.pop("_lora_config", None)
+        handle = chunk.__dict__.pop("_lora_input_grad_hook", None)
+        if handle is not None:
+            handle.remove()
+    return merged
+
+
+def lora_sharded_state_dict(model: torch.nn.Module, prefix: str = "",
+                            metadata: Optional[dict] = None) -> dict:
+    """The LoRA entries of one chunk's Megatron sharded state dict (for dist checkpoints of the
+    adapter alone in any layout)."""
+    (chunk,) = unwrap_chunks(model)
+    sharded = chunk.sharded_state_dict(prefix=prefix, metadata=metadata)
+    return {k: v for k, v in sharded.items()
+            if ".lora_A." in k or ".lora_B." in k or "_lora_A" in k or "_lora_B" in k}
+
+
+def describe_adapter(directory: str | os.PathLike) -> dict[str, Any]:
+    """Config, base identity and tensor shapes of an adapter directory (reads no tensor data)."""
+    from safetensors import safe_open
+
+    config, base = read_adapter_config(directory)
+    weights = os.path.join(os.fspath(directory), ADAPTER_WEIGHTS)
+    with safe_open(weights, framework="pt", device="cpu") as handle:
+        shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    return {"format_version": FORMAT_VERSION, "lora": config.to_dict(), "base_model": base,
+            "tensors": shapes}

@@ -1,0 +1,255 @@
+"""Put LoRA adapters into a built Megatron model (all pipeline chunks of this rank), in place.
+
+``inject_lora(model_chunks, lora_config)`` finds the modules each target names, turns them into
+their LoRA subclasses (``megatron_slmoe.lora.layers``), freezes every other parameter and returns
+the global names of the adapted modules. Call it after loading the base weights and before wrapping
+the chunks in DistributedDataParallel (DDP allocates gradient buffers for the parameters that
+require grad at construction).
+
+Target -> modules:
+
+=================  ==========================================================================
+``linear_qkv``     ``self_attention.linear_qkv`` (ColumnParallelLinear)
+``linear_proj``    ``self_attention.linear_proj`` (RowParallelLinear)
+``linear_fc1``     dense ``mlp.linear_fc1``; in MoE layers every routed expert's fc1
+                   (``LatentSwiGLUExperts`` -> ``LoRALatentSwiGLUExperts``, one adapter per expert)
+``linear_fc2``     dense ``mlp.linear_fc2``; every routed expert's fc2
+``shared_experts`` ``mlp.shared_experts.linear_fc1`` and ``.linear_fc2``
+``router``         ``mlp.router`` (gating linear)
+``latent``         ``mlp.latent_down`` and ``mlp.latent_up``
+=================  ==========================================================================
+
+**Which targets must match.** Pipeline stages hold different layers, so a target may be absent
+from one stage and present in another (a dense first stage has no router). A target is an error
+only when it matches nothing in the *whole model*: each rank counts its matches per target over its
+chunks, the counts are summed over the pipeline-parallel group (one small all-reduce; every rank
+of a stage has the same modules), and every rank then raises the same ``LoRATargetError``, so no
+rank is left waiting in a collective. ``inject_lora`` is therefore collective over the pipeline
+group when pipeline parallelism is on.
+
+**Recomputation.** With a frozen embedding the first layer's input does not require grad, and
+Megatron's (reentrant) activation checkpointing would then return outputs without a graph, so the
+LoRA parameters inside would get no gradient. When the config recomputes activations, the
+embedding's output is therefore marked as requiring grad (the usual PEFT remedy).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Union
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_slmoe.lora.config import TARGETS, LoRAConfig
+from megatron_slmoe.lora.layers import (
+    LoRAColumnParallelLinear,
+    LoRALatentSwiGLUExperts,
+    LoRALatentProjection,
+    LoRARouterMixin,
+    LoRARowParallelLinear,
+    is_lora_module,
+)
+from megatron_slmoe.moe.experts import LatentSwiGLUExperts
+from megatron_slmoe.moe.latent import LatentProjection
+
+
+class LoRATargetError(ValueError):
+    """A LoRA target that matches nothing in the model, or a module LoRA cannot adapt."""
+
+
+ModelChunks = Union[torch.nn.Module, Iterable[torch.nn.Module]]
+
+
+def unwrap_chunks(model_chunks: ModelChunks, allow_ddp: bool = True) -> list[torch.nn.Module]:
+    """The model chunks without their Float16Module / DDP wrappers."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    if not chunks:
+        raise ValueError("no model chunks given")
+    unwrapped = []
+    for chunk in chunks:
+        while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+            if isinstance(chunk, DistributedDataParallel) and not allow_ddp:
+                raise ValueError("inject LoRA before wrapping the model in "
+                                 "DistributedDataParallel (its gradient buffers are fixed then)")
+            chunk = chunk.module
+        unwrapped.append(chunk)
+    return unwrapped
+
+
+def _global_prefixes(chunk: torch.nn.Module) -> list[tuple[str, str]]:
+    """(local path of each transformer layer, its path with the global layer index)."""
+    out = []
+    for name, module in chunk.named_modules():
+        if isinstance(module, TransformerLayer) and name:
+            head = name.rsplit(".", 1)[0] if "." in name else ""
+            glob = f"{head}.{module.layer_number - 1}" if head else str(module.layer_number - 1)
+            out.append((name, glob))
+    out.sort(key=lambda item: len(item[0]), reverse=True)
+    return out
+
+
+def global_module_name(local_name: str, prefixes: list[tuple[str, str]]) -> str:
+    for local, glob in prefixes:
+        if local_name == local or local_name.startswith(local + "."):
+            return glob + local_name[len(local):]
+    return local_name
+
+
+def _classify(parent: torch.nn.Module, attr: str, child: torch.nn.Module) -> str | None:
+    """The target a child module belongs to (``experts`` for routed experts), or None."""
+    if attr in ("linear_qkv", "linear_proj") and not isinstance(parent, MLP):
+        return attr
+    if attr in ("linear_fc1", "linear_fc2") and isinstance(parent, SharedExpertMLP):
+        return "shared_experts"
+    if attr in ("linear_fc1", "linear_fc2") and isinstance(parent, MLP):
+        return attr
+    if attr == "experts" and isinstance(child, LatentSwiGLUExperts):
+        return "experts"
+    if attr == "router" and isinstance(child, TopKRouter):
+        return "router"
+    if attr in ("latent_down", "latent_up") and isinstance(child, LatentProjection):
+        return "latent"
+    return None
+
+
+def _candidates(chunks: list[torch.nn.Module]):
+    """Every (chunk index, parent, attr, child, local name, target) that LoRA could adapt."""
+    found = []
+    for index, chunk in enumerate(chunks):
+        for parent_name, parent in chunk.named_modules():
+            for attr, child in parent.named_children():
+                target = _classify(parent, attr, child)
+                if target is not None:
+                    name = f"{parent_name}.{attr}" if parent_name else attr
+                    found.append((index, parent, attr, child, name, target))
+    return found
+
+
+def _match_counts(candidates, chunks) -> dict[str, int]:
+    counts = dict.fromkeys(TARGETS, 0)
+    for *_, target in candidates:
+        if target == "experts":
+            counts["linear_fc1"] += 1
+            counts["linear_fc2"] += 1
+        else:
+            counts[target] += 1
+    if (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1):
+        device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
+        tensor = torch.tensor([counts[t] for t in TARGETS], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(tensor, group=parallel_state.get_pipeline_model_parallel_group())
+        counts = dict(zip(TARGETS, tensor.tolist()))
+    return counts
+
+
+def _check_targets(lora_config: LoRAConfig, counts: dict[str, int]) -> None:
+    targetable = [t for t in TARGETS if counts.get(t, 0) > 0]
+    for target in lora_config.targets:
+        if counts.get(target, 0) == 0:
+            raise LoRATargetError(
+                f"lora target {target!r} matches nothing; targetable: "
+                f"{', '.join(targetable) if targetable else '(nothing in this model)'}")
+
+
+def _keep_input_grad(chunk: torch.nn.Module) -> None:
+    embedding = getattr(chunk, "embedding", None)
+    config = getattr(chunk, "config", None)
+    if embedding is None or getattr(config, "recompute_granularity", None) is None:
+        return
+    if getattr(chunk, "_lora_input_grad_hook", None) is not None:
+        return
+
+    def hook(_module, _inputs, output):
+        if isinstance(output, torch.Tensor) and not output.requires_grad:
+            output.requires_grad_(True)
+        return output
+
+    chunk._lora_input_grad_hook = embedding.register_forward_hook(hook)
+
+
+def inject_lora(model_chunks: ModelChunks, lora_config: LoRAConfig) -> list[str]:
+    """Adapt the targets of ``lora_config`` in every chunk, in place; freeze the rest.
+
+    Returns the global names of the adapted modules (layer indices are global, so names agree
+    across pipeline layouts), in model order. Raises LoRATargetError for a target that matches
+    nothing in the whole model (collective over the pipeline group, see the module doc).
+    """
+    chunks = unwrap_chunks(model_chunks, allow_ddp=False)
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if is_lora_module(module):
+                raise ValueError(f"the model already has LoRA adapters ({name}); "
+                                 "merge_lora or remove them before injecting again")
+    candidates = _candidates(chunks)
+    _check_targets(lora_config, _match_counts(candidates, chunks))
+    wanted = set(lora_config.targets)
+    adapted: list[str] = []
+    for index, parent, attr, child, local_name, target in candidates:
+        name = global_module_name(local_name, _global_prefixes(chunks[index]))
+        if target == "experts":
+            fc1, fc2 = "linear_fc1" in wanted, "linear_fc2" in wanted
+            if not (fc1 or fc2):
+                continue
+            module = LoRALatentSwiGLUExperts.from_base(child, lora_config, name, fc1=fc1, fc2=fc2)
+        elif target not in wanted:
+            continue
+        else:
+            module = _adapt(child, parent, attr, lora_config, name, target)
+        setattr(parent, attr, module)
+        adapted.append(name)
+    lora_ids = {id(p) for chunk in chunks for m in chunk.modules() if is_lora_module(m)
+                for p in m.lora_parameters()}
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if id(param) not in lora_ids:
+                param.requires_grad_(False)
+        # expert_bias of the router is a buffer: its updates follow the SLMoE config, not LoRA.
+        chunk._lora_config = lora_config
+        _keep_input_grad(chunk)
+    return adapted
+
+
+def _adapt(child, parent, attr, lora_config, name, target):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    try:
+        if target == "router":
+            return LoRARouterMixin.from_base(child, lora_config, name)
+        if target == "latent":
+            return LoRALatentProjection.from_base(child, lora_config, name)
+        if getattr(child, "is_expert", False):
+            raise TypeError(f"{name}: Megatron's own routed experts are not supported (LoRA "
+                            f"adapts the Stable Latent MoE experts)")
+        if isinstance(child, ColumnParallelLinear):
+            glu = attr == "linear_fc1" and bool(parent.config.gated_linear_unit)
+            return LoRAColumnParallelLinear.from_base(child, lora_config, name, glu=glu)
+        if isinstance(child, RowParallelLinear):
+            return LoRARowParallelLinear.from_base(child, lora_config, name)
+        raise TypeError(f"{name} is a {type(child).__name__}; LoRA adapts Megatron's local "
+                        f"ColumnParallelLinear/RowParallelLinear (build the model without "
+                        f"Transformer Engine)")
+    except TypeError as err:
+        raise LoRATargetError(f"lora target {target!r}: {err}") from None
+
+
+def lora_modules(model_chunks: ModelChunks) -> list[torch.nn.Module]:
+    """This rank's LoRA modules, in model order over the chunks."""
+    return [m for chunk in unwrap_chunks(model_chunks) for m in chunk.modules()
+            if is_lora_module(m)]
+
+
+def injected_config(model_chunks: ModelChunks) -> LoRAConfig | None:
+    """The LoRAConfig ``inject_lora`` used on these chunks (None when not injected)."""
+    for chunk in unwrap_chunks(model_chunks):
+        config = getattr(chunk, "_lora_config", None)
+        if config is not None:
+            return config
+    return None
