@@ -20,6 +20,8 @@
 // bf16/fp16 run on tensor cores (mma.sync m16n8k16, fp32 accumulate; the same code on sm_80 and
 // sm_90, no wgmma), fp32/fp64 on CUDA cores.
 
+#include <atomic>
+
 #include "grouped_gemm.cuh"
 #include "lora_expert_cuda.h"
 
@@ -71,11 +73,34 @@ cudaError_t launch(void (*kernel)(P), int grid, int block, size_t smem, cudaStre
   return cudaGetLastError();
 }
 
-int multiprocessor_count(cudaError_t* err) {
-  int device = 0, sms = 0;
-  *err = cudaGetDevice(&device);
-  if (*err == cudaSuccess) *err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return sms;
+// Blocks of `kernel` that fit on the current device at once, after opting it in to `smem` bytes of
+// dynamic shared memory (needed above 48 KiB; the attribute is per device). Queried once per
+// kernel and device, then cached: these runtime calls cost microseconds, a small expert GEMM not
+// much more. Threads racing on the first call compute the same value.
+template <class Math, Group kGroup>
+cudaError_t resident_blocks(int* out) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 0 && device < kMaxDevices && (*out = cache[device].load(std::memory_order_relaxed)) > 0) {
+    return cudaSuccess;
+  }
+  const void* kernel = reinterpret_cast<const void*>(&detail::grouped_gemm_kernel<Math, kGroup>);
+  const size_t smem = Math::kSmemBytes;
+  if (smem > 48 * 1024) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  int per_sm = 0, sms = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Math::kThreads, smem);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  if (per_sm < 1 || sms < 1) return cudaErrorInvalidConfiguration;  // does not fit on this device at all
+  *out = per_sm * sms;
+  if (device >= 0 && device < kMaxDevices) cache[device].store(*out, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 
 // Launches the persistent grouped GEMM: at most as many blocks as fit on the device at once, each
@@ -84,25 +109,11 @@ int multiprocessor_count(cudaError_t* err) {
 template <class Math, Group kGroup>
 cudaError_t run_gemm(const GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
   if (max_tiles <= 0) return cudaSuccess;
-  auto* kernel = &detail::grouped_gemm_kernel<Math, kGroup>;
-  const size_t smem = Math::kSmemBytes;
-  cudaError_t err = cudaSuccess;
-  if (smem > 48 * 1024) {
-    // Above 48 KiB a kernel must opt in; the attribute is per device, so set it on each call.
-    err = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-  }
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, reinterpret_cast<const void*>(kernel), Math::kThreads,
-                                                      smem);
+  int resident = 0;
+  const cudaError_t err = resident_blocks<Math, kGroup>(&resident);
   if (err != cudaSuccess) return err;
-  const int sms = multiprocessor_count(&err);
-  if (err != cudaSuccess) return err;
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;  // does not fit on this device at all
-  const int64_t resident = static_cast<int64_t>(per_sm) * sms;
   const int grid = static_cast<int>(max_tiles < resident ? max_tiles : resident);
-  return launch(kernel, grid, Math::kThreads, smem, stream, p);
+  return launch(&detail::grouped_gemm_kernel<Math, kGroup>, grid, Math::kThreads, Math::kSmemBytes, stream, p);
 }
 
 // Upper bound of sum_e ceil(rows_e / kRowTile): every expert adds at most one partial tile.
