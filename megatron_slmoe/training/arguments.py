@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-dropout", type=float, default=0.0)
     g.add_argument("--lora-target-modules", nargs="+",
                    default=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    g.add_argument("--lora-init-seed", type=int, default=0,
+                   help="seed of the initial LoRA A (drawn per global tensor name, so every "
+                        "parallel layout starts from the same adapter)")
     g.add_argument("--adapter-init", default=None,
                    help="start from this adapter directory instead of fresh LoRA weights")
 

@@ -93,7 +93,8 @@ class Trainer:
         args = self.args
         self.lora_config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha,
                                       dropout=args.lora_dropout,
-                                      targets=list(args.lora_target_modules))
+                                      targets=list(args.lora_target_modules),
+                                      init_seed=args.lora_init_seed)
         inject_lora([model], self.lora_config)
         if args.adapter_init:
             load_adapter([model], args.adapter_init)

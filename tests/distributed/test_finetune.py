@@ -53,10 +53,10 @@ def start(tmp_path_factory):
     LoRA step on it), so every layout starts from the same weights."""
     root = tmp_path_factory.mktemp("finetune")
     _torchrun(1, [*COMMON, "--finetune-mode", "full", "--data-format", "pretrain",
-                  "--train-iters", "2", "--output-dir", str(root / "base-run"),
+                  "--train-iters", "2", "--lr-warmup-iters", "0", "--output-dir", str(root / "base-run"),
                   "--save-base", str(root / "base")])
     _torchrun(1, [*COMMON, "--base-checkpoint", str(root / "base"), "--train-iters", "1",
-                  "--output-dir", str(root / "init")])
+                  "--lr-warmup-iters", "0", "--output-dir", str(root / "init")])
     return root
 
 
