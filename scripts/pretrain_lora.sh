@@ -1,50 +1,212 @@
 #!/usr/bin/env bash
-# The main job: LoRA fine-tuning of a Stable Latent MoE model on Megatron-Core.
+# The main job: LoRA fine-tuning of a Stable Latent MoE model on Megatron-Core, on one node or many.
 #
-#   bash scripts/pretrain_lora.sh                 # the built-in demo (below)
-#   bash scripts/pretrain_lora.sh [flags...]      # one run of megatron_slmoe.training.finetune
+#   bash scripts/pretrain_lora.sh                   # the built-in demo (below)
+#   bash scripts/pretrain_lora.sh [flags...]        # one run of megatron_slmoe.training.finetune
+#   bash scripts/pretrain_lora.sh --dry-run [...]   # print the torchrun command(s) and environment
 #
-# The demo, on a CPU machine with 2 processes and expert parallelism 2:
-#   1. once (cached in runs/demo/base): pretrain the tiny base model on the shipped corpus;
-#   2. LoRA fine-tune it on the shipped task (digit words -> digits) into runs/demo/lora-<time>;
-#   3. report the held-out loss before and after, expert-load health and where the adapter is.
+# Flags for this launcher (taken out, anywhere on the line): --dry-run, --no-preflight. Every
+# other flag goes to the Python entry point, after the settings below, so it wins over them.
 #
-# Environment (torchrun's names):
-#   NPROC_PER_NODE  processes on this node (default: visible GPUs, else 2)
-#   NNODES          number of nodes (default 1); NODE_RANK, MASTER_ADDR, MASTER_PORT for several
+# Where ranks run (torchrun's names; set per node, e.g. by scripts/slurm/*.sbatch):
+#   NPROC_PER_NODE  processes on this node (default: visible GPUs (nvidia-smi -L, CUDA_VISIBLE_DEVICES),
+#                   else visible NPUs (ASCEND_RT_VISIBLE_DEVICES, npu-smi), else 2 on CPU)
+#   NNODES          nodes in the job (default 1)
+#   static master:  NODE_RANK (0..NNODES-1), MASTER_ADDR, MASTER_PORT (default 29500)
+#   or rendezvous:  RDZV_ENDPOINT=host:port (c10d; RDZV_BACKEND to change it), RDZV_ID (default
+#                   slmoe-lora): nodes may start in any order and need no NODE_RANK
+#   MAX_RESTARTS    torchrun restarts of failed workers (default 0)
+#   Single node without MASTER_ADDR or RDZV_ENDPOINT: torchrun --standalone (a free port).
+# Network: NETWORK_PROFILE=ib|roce|hccl sources scripts/network/<profile>.sh (NCCL_*/HCCL_*
+#   defaults, each overridable) and checks them against the machine before anything starts
+#   (megatron_slmoe/launch/netcheck.py; SLMOE_SYSFS_ROOT points it at another sysfs tree).
+# Preflight: before training, `python -m megatron_slmoe.preflight` runs under the same torchrun
+#   layout (ranks join, collectives within/between nodes, pairwise sweep; report in
+#   <log dir>/preflight.json). Off with --no-preflight or SLMOE_PREFLIGHT=0; more flags for it in
+#   SLMOE_PREFLIGHT_ARGS (e.g. "--size-mb 256 --p2p-time-budget 30").
+# Logs: each node appends its output to <output dir>/node<NODE_RANK>.log (runs/logs/ without
+#   --output-dir), and prints it too.
+# Settings: the variables of the arrays below (MODEL_CONFIG, TP, EP, LORA_RANK, TRAIN_ITERS, ...);
+#   unset ones leave the entry point's default, shown in brackets.
 # Demo only: SLMOE_DEMO_DIR (default runs/demo), SLMOE_DEMO_BASE_ITERS (300),
 #   SLMOE_DEMO_LORA_ITERS (200) — smaller values make a quicker check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/launch.sh
+
+# --- launcher flags -----------------------------------------------------------------------------
+DRY_RUN=0
+PREFLIGHT=${SLMOE_PREFLIGHT:-1}
+EXTRA_ARGS=()
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY_RUN=1 ;;
+        --no-preflight) PREFLIGHT=0 ;;
+        *) EXTRA_ARGS+=("$arg") ;;
+    esac
+done
+
 . scripts/lib/env.sh
 slmoe_ensure_env
 
-if [ -z "${NPROC_PER_NODE:-}" ]; then
-    NPROC_PER_NODE=2
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-        [ "$gpus" -gt 0 ] && NPROC_PER_NODE=$gpus
-    fi
-fi
+# --- where ranks run ----------------------------------------------------------------------------
 NNODES=${NNODES:-1}
-launcher=(torchrun --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES")
-if [ "$NNODES" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
-    launcher+=(--standalone)  # single node: torchrun picks a free port itself
+NPROC_PER_NODE=${NPROC_PER_NODE:-$(slmoe_detect_nproc)}
+slmoe_require_int NNODES "$NNODES" 1
+slmoe_require_int NPROC_PER_NODE "$NPROC_PER_NODE" 1
+RDZV_ID=${RDZV_ID:-slmoe-lora}
+TORCHRUN=${TORCHRUN:-torchrun}
+
+DISTRIBUTED_ARGS=(--nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES")
+if [ -n "${RDZV_ENDPOINT:-}" ]; then
+    RDZV_BACKEND=${RDZV_BACKEND:-c10d}
+    DISTRIBUTED_ARGS+=(--rdzv-backend "$RDZV_BACKEND" --rdzv-endpoint "$RDZV_ENDPOINT")
+elif [ "$NNODES" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+    DISTRIBUTED_ARGS+=(--standalone)  # single node: torchrun picks a free port itself
 else
-    launcher+=(--node-rank "${NODE_RANK:?set NODE_RANK for a multi-node run}"
-               --master-addr "${MASTER_ADDR:?set MASTER_ADDR for a multi-node run}"
-               --master-port "${MASTER_PORT:-29500}")
+    [ -n "${NODE_RANK:-}" ] || slmoe_die "NODE_RANK is not set (needed with NNODES=$NNODES and a static master; or set RDZV_ENDPOINT)"
+    [ -n "${MASTER_ADDR:-}" ] || slmoe_die "MASTER_ADDR is not set (needed with NNODES=$NNODES; or set RDZV_ENDPOINT)"
+    MASTER_PORT=${MASTER_PORT:-29500}
+    slmoe_require_int NODE_RANK "$NODE_RANK" 0
+    [ "$NODE_RANK" -lt "$NNODES" ] || slmoe_die "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
+    slmoe_require_int MASTER_PORT "$MASTER_PORT" 1
+    [ "$MASTER_PORT" -le 65535 ] || slmoe_die "MASTER_PORT=$MASTER_PORT must be at most 65535"
+    DISTRIBUTED_ARGS+=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+fi
+slmoe_opt DISTRIBUTED_ARGS --max-restarts "${MAX_RESTARTS:-}"
+
+# --- network profile ----------------------------------------------------------------------------
+if [ -n "${NETWORK_PROFILE:-}" ]; then
+    case "$NETWORK_PROFILE" in
+        ib|roce|hccl) . "scripts/network/$NETWORK_PROFILE.sh" ;;
+        *) slmoe_die "NETWORK_PROFILE=$NETWORK_PROFILE is not one of ib, roce, hccl" ;;
+    esac
+    # Run as a file: it needs only the standard library (not the package's torch import).
+    python megatron_slmoe/launch/netcheck.py --profile "$NETWORK_PROFILE" \
+        ${SLMOE_SYSFS_ROOT:+--sysfs-root "$SLMOE_SYSFS_ROOT"} || exit 2
 fi
 
+# --- the built-in demo's settings (only when no flags were given) ---------------------------------
+DEMO=0
+if [ ${#EXTRA_ARGS[@]} -eq 0 ]; then
+    DEMO=1
+    : "${MODEL_CONFIG:=tiny}" "${EP:=2}" "${SEQ_LENGTH:=128}" "${MICRO_BATCH_SIZE:=4}"
+    : "${GLOBAL_BATCH_SIZE:=16}" "${LOG_INTERVAL:=25}"
+fi
+
+# --- settings of the entry point: unset variables keep its default [in brackets] ----------------
+MODEL_ARGS=()
+slmoe_opt MODEL_ARGS --config "${RUN_CONFIG:-}"                   # YAML file of flags [none]
+slmoe_opt MODEL_ARGS --model-config "${MODEL_CONFIG:-}"           # packaged name or YAML [tiny]
+slmoe_opt MODEL_ARGS --base-checkpoint "${BASE_CHECKPOINT:-}"     # dist checkpoint [random init]
+slmoe_opt MODEL_ARGS --finetune-mode "${FINETUNE_MODE:-}"         # lora | full [lora]
+
+MODEL_PARALLEL_ARGS=()
+slmoe_opt MODEL_PARALLEL_ARGS --tensor-model-parallel-size "${TP:-}"      # [1]
+slmoe_opt MODEL_PARALLEL_ARGS --pipeline-model-parallel-size "${PP:-}"    # [1]
+slmoe_opt MODEL_PARALLEL_ARGS --expert-model-parallel-size "${EP:-}"      # [1]
+slmoe_switch MODEL_PARALLEL_ARGS --use-distributed-optimizer "${USE_DISTRIBUTED_OPTIMIZER:-}"
+# Reaches init_process_group, every Megatron parallel group and our expert-parallel groups [30]
+slmoe_opt MODEL_PARALLEL_ARGS --distributed-timeout-minutes "${DISTRIBUTED_TIMEOUT_MINUTES:-}"
+
+MOE_ARGS=()
+slmoe_opt MOE_ARGS --moe-token-dispatcher-type "${MOE_TOKEN_DISPATCHER_TYPE:-}"  # [model config's]
+slmoe_switch MOE_ARGS --moe-hierarchical-alltoall "${MOE_HIERARCHICAL_ALLTOALL:-}"
+slmoe_opt MOE_ARGS --moe-node-size "${MOE_NODE_SIZE:-}"           # [LOCAL_WORLD_SIZE]
+
+LORA_ARGS=()
+slmoe_opt LORA_ARGS --lora-rank "${LORA_RANK:-}"                  # [8]
+slmoe_opt LORA_ARGS --lora-alpha "${LORA_ALPHA:-}"                # [16]
+slmoe_opt LORA_ARGS --lora-dropout "${LORA_DROPOUT:-}"            # [0]
+slmoe_opt_words LORA_ARGS --lora-target-modules "${LORA_TARGET_MODULES:-}"  # [qkv proj fc1 fc2]
+slmoe_opt LORA_ARGS --adapter-init "${ADAPTER_INIT:-}"            # [fresh LoRA weights]
+
+DATA_ARGS=()
+slmoe_opt DATA_ARGS --data-format "${DATA_FORMAT:-}"              # instruction | pretrain [instruction]
+slmoe_opt DATA_ARGS --train-data "${TRAIN_DATA:-}"                # [the shipped demo task]
+slmoe_opt DATA_ARGS --valid-data "${VALID_DATA:-}"
+slmoe_opt DATA_ARGS --tokenizer "${TOKENIZER:-}"                  # [the shipped tokenizer]
+slmoe_opt DATA_ARGS --seq-length "${SEQ_LENGTH:-}"                # [128]
+
+TRAINING_ARGS=()
+slmoe_opt TRAINING_ARGS --micro-batch-size "${MICRO_BATCH_SIZE:-}"    # [4]
+slmoe_opt TRAINING_ARGS --global-batch-size "${GLOBAL_BATCH_SIZE:-}"  # [16]
+slmoe_opt TRAINING_ARGS --train-iters "${TRAIN_ITERS:-}"              # [200]
+slmoe_opt TRAINING_ARGS --lr "${LR:-}"                                # [2e-3]
+slmoe_opt TRAINING_ARGS --min-lr "${MIN_LR:-}"                        # [0]
+slmoe_opt TRAINING_ARGS --lr-warmup-iters "${LR_WARMUP_ITERS:-}"      # [10]
+slmoe_opt TRAINING_ARGS --seed "${SEED:-}"                            # [1234]
+slmoe_opt TRAINING_ARGS --eval-interval "${EVAL_INTERVAL:-}"          # [50]
+slmoe_opt TRAINING_ARGS --eval-iters "${EVAL_ITERS:-}"                # [4]
+
+LOGGING_ARGS=()
+slmoe_opt LOGGING_ARGS --output-dir "${OUTPUT_DIR:-}"             # [runs/<time>]; fixed => resume
+slmoe_opt LOGGING_ARGS --log-interval "${LOG_INTERVAL:-}"         # [10]
+slmoe_opt LOGGING_ARGS --save-interval "${SAVE_INTERVAL:-}"       # [50]
+slmoe_switch LOGGING_ARGS --no-tensorboard "${NO_TENSORBOARD:-}"
+
+SETTINGS=("${MODEL_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${MOE_ARGS[@]}" "${LORA_ARGS[@]}"
+          "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" "${LOGGING_ARGS[@]}")
+
+# --- one run --------------------------------------------------------------------------------------
+ENV_SHOWN=0
+PREFLIGHT_DONE=0
 finetune() {
+    local args=("${SETTINGS[@]}" "$@")
     # Reject bad arguments once, in one line, before any process group is formed.
     WORLD_SIZE=$((NPROC_PER_NODE * NNODES)) python -m megatron_slmoe.training.finetune \
-        --validate-only "$@" || exit $?
-    "${launcher[@]}" -m megatron_slmoe.training.finetune "$@"
+        --validate-only "${args[@]}" || exit $?
+    local log_dir node log rc=0
+    log_dir=$(slmoe_last_value --output-dir "${args[@]}")
+    log_dir=${log_dir:-runs/logs}
+    node=${NODE_RANK:-$([ -n "${RDZV_ENDPOINT:-}" ] && hostname -s || echo 0)}
+    log="$log_dir/node$node.log"
+    local preflight_args=()
+    if [ "$PREFLIGHT" != 0 ] && [ "$PREFLIGHT_DONE" = 0 ]; then
+        local pf_dist=("${DISTRIBUTED_ARGS[@]}")
+        if [ -n "${RDZV_ENDPOINT:-}" ]; then pf_dist+=(--rdzv-id "$RDZV_ID-preflight"); fi
+        local extra_pf=()
+        read -r -a extra_pf <<<"${SLMOE_PREFLIGHT_ARGS:-}"
+        preflight_args=("$TORCHRUN" "${pf_dist[@]}" -m megatron_slmoe.preflight
+                        --report "$log_dir/preflight.json" "${extra_pf[@]}" -- "${args[@]}")
+    fi
+    local train_dist=("${DISTRIBUTED_ARGS[@]}")
+    if [ -n "${RDZV_ENDPOINT:-}" ]; then train_dist+=(--rdzv-id "$RDZV_ID"); fi
+    local train=("$TORCHRUN" "${train_dist[@]}" -m megatron_slmoe.training.finetune "${args[@]}")
+
+    if [ "$DRY_RUN" = 1 ]; then
+        if [ "$ENV_SHOWN" = 0 ]; then
+            echo "# dry run: nothing is started. Environment:"
+            slmoe_print_env
+            ENV_SHOWN=1
+        fi
+        echo "# log: $log"
+        if [ ${#preflight_args[@]} -gt 0 ]; then
+            echo "# preflight (skip: --no-preflight or SLMOE_PREFLIGHT=0)"
+            slmoe_print_cmd "${preflight_args[@]}"
+            PREFLIGHT_DONE=1
+        fi
+        echo "# training"
+        slmoe_print_cmd "${train[@]}"
+        return 0
+    fi
+
+    mkdir -p "$log_dir"
+    echo "[launch] $(date '+%F %T') node ${node} of $NNODES on $(hostname): $NPROC_PER_NODE processes; log $log" | tee -a "$log"
+    if [ ${#preflight_args[@]} -gt 0 ]; then
+        "${preflight_args[@]}" 2>&1 | tee -a "$log" || rc=$?
+        if [ "$rc" != 0 ]; then
+            echo "error: preflight failed on node $node (exit $rc; its reason is above and in $log); skip it with --no-preflight" >&2
+            exit "$rc"
+        fi
+        PREFLIGHT_DONE=1
+    fi
+    "${train[@]}" 2>&1 | tee -a "$log" || rc=$?
+    return "$rc"
 }
 
-if [ $# -gt 0 ]; then
-    finetune "$@"
+if [ "$DEMO" = 0 ]; then
+    finetune "${EXTRA_ARGS[@]}"
     exit $?
 fi
 
@@ -52,11 +214,9 @@ fi
 demo=${SLMOE_DEMO_DIR:-runs/demo}
 base_iters=${SLMOE_DEMO_BASE_ITERS:-300}
 lora_iters=${SLMOE_DEMO_LORA_ITERS:-200}
-common=(--model-config tiny --expert-model-parallel-size 2 --seq-length 128
-        --micro-batch-size 4 --global-batch-size 16 --log-interval 25)
 if [ ! -f "$demo/base/metadata.json" ]; then
     echo "[demo] pretraining the tiny base model on the shipped corpus -> $demo/base"
-    finetune "${common[@]}" --finetune-mode full --data-format pretrain --train-iters "$base_iters" \
+    finetune --finetune-mode full --data-format pretrain --train-iters "$base_iters" \
         --lr 3e-3 --lr-warmup-iters 10 --eval-interval 100 --save-interval "$base_iters" \
         --output-dir "$demo/base-run" --no-resume --save-base "$demo/base"
 else
@@ -64,7 +224,7 @@ else
 fi
 run="$demo/lora-$(date +%Y%m%d-%H%M%S)"
 echo "[demo] LoRA fine-tuning on the shipped task -> $run"
-finetune "${common[@]}" --base-checkpoint "$demo/base" --train-iters "$lora_iters" --lr 2e-3 \
+finetune --base-checkpoint "$demo/base" --train-iters "$lora_iters" --lr 2e-3 \
     --lr-warmup-iters 10 \
     --lora-rank 8 --lora-alpha 16 --eval-interval 50 --save-interval 100 --output-dir "$run"
-echo "[demo] done: $run/summary.json, adapter in $run/adapter"
+[ "$DRY_RUN" = 1 ] || echo "[demo] done: $run/summary.json, adapter in $run/adapter"

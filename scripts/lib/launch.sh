@@ -1,0 +1,88 @@
+# Sourced by scripts/pretrain_lora.sh: small helpers of the launcher (no Python here).
+
+slmoe_die() {  # one line on stderr, exit 2 (a setting is wrong; nothing was started)
+    echo "error: $*" >&2
+    exit 2
+}
+
+# slmoe_opt ARRAY --flag VALUE: append "--flag VALUE" to ARRAY when VALUE is not empty.
+slmoe_opt() {
+    local -n _slmoe_arr=$1
+    if [ -n "${3:-}" ]; then _slmoe_arr+=("$2" "$3"); fi
+}
+
+# slmoe_opt_words ARRAY --flag "V1 V2": append "--flag V1 V2" (a flag taking several values).
+slmoe_opt_words() {
+    local -n _slmoe_arr=$1
+    local words
+    if [ -n "${3:-}" ]; then read -r -a words <<<"$3"; _slmoe_arr+=("$2" "${words[@]}"); fi
+}
+
+# slmoe_switch ARRAY --flag VALUE: append "--flag" when VALUE is 1/true/yes.
+slmoe_switch() {
+    local -n _slmoe_arr=$1
+    case "${3:-}" in 1|true|yes) _slmoe_arr+=("$2") ;; esac
+}
+
+slmoe_require_int() {  # slmoe_require_int NAME VALUE MIN
+    [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] || slmoe_die "$1=$2 must be an integer >= $3"
+}
+
+slmoe_count_list() {  # "0,1,3" -> 3
+    local IFS=,
+    local items
+    read -r -a items <<<"$1"
+    echo "${#items[@]}"
+}
+
+# Processes per node: the visible GPUs, else the visible NPUs, else 2 (CPU).
+slmoe_detect_nproc() {
+    local n=0
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+            n=$(slmoe_count_list "$CUDA_VISIBLE_DEVICES")
+        else
+            n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+        fi
+    fi
+    if [ "$n" -eq 0 ] && [ -n "${ASCEND_RT_VISIBLE_DEVICES:-}" ]; then
+        n=$(slmoe_count_list "$ASCEND_RT_VISIBLE_DEVICES")
+    fi
+    if [ "$n" -eq 0 ] && command -v npu-smi >/dev/null 2>&1; then
+        n=$(npu-smi info -l 2>/dev/null | awk -F: '/Total Count/ {gsub(/ /, "", $2); print $2; exit}')
+        n=${n:-0}
+    fi
+    [ "$n" -gt 0 ] 2>/dev/null || n=2
+    echo "$n"
+}
+
+# slmoe_last_value --flag ARGS...: the value of the last "--flag V" / "--flag=V" in ARGS.
+slmoe_last_value() {
+    local flag=$1 value="" prev=""
+    shift
+    for arg in "$@"; do
+        if [ "$prev" = "$flag" ]; then value=$arg; fi
+        case "$arg" in "$flag"=*) value=${arg#*=} ;; esac
+        prev=$arg
+    done
+    echo "$value"
+}
+
+# The environment that decides where and how ranks run, one NAME=value per line.
+slmoe_print_env() {
+    local name
+    local names=(NNODES NODE_RANK NPROC_PER_NODE MASTER_ADDR MASTER_PORT)
+    if [ -n "${RDZV_ENDPOINT:-}" ]; then names+=(RDZV_BACKEND RDZV_ENDPOINT RDZV_ID); fi
+    names+=(NETWORK_PROFILE DISTRIBUTED_TIMEOUT_MINUTES)
+    for name in "${names[@]}"; do
+        if [ -n "${!name:-}" ]; then printf '%s=%q\n' "$name" "${!name}"; fi
+    done
+    { env | LC_ALL=C sort | grep -E '^(NCCL_|HCCL_|GLOO_|TP_SOCKET_IFNAME=|CUDA_VISIBLE_DEVICES=|ASCEND_|SLMOE_|OMP_NUM_THREADS=|TORCH_NCCL_|TORCH_DISTRIBUTED_)' || true; } \
+        | while IFS='=' read -r name value; do printf '%s=%q\n' "$name" "$value"; done
+}
+
+slmoe_print_cmd() {  # a command, shell-quoted on one line
+    local out="" arg
+    for arg in "$@"; do out+="$(printf '%q' "$arg") "; done
+    echo "${out% }"
+}

@@ -1,0 +1,142 @@
+"""scripts/pretrain_lora.sh as a multi-node launcher, checked with --dry-run (nothing starts):
+torchrun's layout from NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT / NPROC_PER_NODE or a c10d
+rendezvous, settings from the environment, the network profile checked before anything runs."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.test_network_check import ROCE_GIDS, fake_sysfs
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--train-iters", "15", "--lr-warmup-iters", "0"]
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    """A fake torchrun (and nvidia-smi when asked) that would leave a mark if ever started."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "started"
+    fake = bin_dir / "torchrun"
+    fake.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "HCCL_", "RDZV_"))}
+    for name in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE",
+                 "NETWORK_PROFILE", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "TP", "EP",
+                 "OUTPUT_DIR", "DISTRIBUTED_TIMEOUT_MINUTES", "SLMOE_PREFLIGHT"):
+        env.pop(name, None)
+    # never let a build-stamp mismatch reinstall a different torch because of the fake GPU tools
+    env.update(TORCHRUN=str(fake), SLMOE_TORCH_SPEC=f"torch=={torch.__version__}")
+    return {"env": env, "bin": bin_dir, "marker": marker, "tmp": tmp_path}
+
+
+def _launch(sandbox, args, **env):
+    proc = subprocess.run(["bash", "scripts/pretrain_lora.sh", *args], cwd=REPO,
+                          env={**sandbox["env"], **env}, capture_output=True, text=True, timeout=300)
+    assert not sandbox["marker"].exists(), "torchrun was started"
+    return proc
+
+
+def _commands(stdout):
+    lines = stdout.splitlines()
+    return {lines[i - 1].split()[1]: lines[i] for i, line in enumerate(lines)
+            if i and lines[i - 1].startswith(("# preflight", "# training"))}
+
+
+def test_static_master_layout_and_settings(sandbox):
+    out_dir = sandbox["tmp"] / "run"
+    proc = _launch(sandbox, ["--dry-run", *SMALL, "--output-dir", str(out_dir)],
+                   NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="23456",
+                   NPROC_PER_NODE="4", TP="2", DISTRIBUTED_TIMEOUT_MINUTES="7")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for line in ("NNODES=2", "NODE_RANK=1", "MASTER_ADDR=10.1.2.3", "MASTER_PORT=23456",
+                 "NPROC_PER_NODE=4", "DISTRIBUTED_TIMEOUT_MINUTES=7"):
+        assert line in lines
+    commands = _commands(proc.stdout)
+    layout = ("--nproc-per-node 4 --nnodes 2 --node-rank 1 --master-addr 10.1.2.3 "
+              "--master-port 23456")
+    train = commands["training"]
+    assert train.startswith(f"{sandbox['env']['TORCHRUN']} {layout} -m megatron_slmoe.training.finetune ")
+    assert "--tensor-model-parallel-size 2" in train and "--distributed-timeout-minutes 7" in train
+    assert train.endswith(f"--train-iters 15 --lr-warmup-iters 0 --output-dir {out_dir}")
+    pre = commands["preflight"]
+    assert f"{layout} -m megatron_slmoe.preflight --report {out_dir}/preflight.json -- " in pre
+    assert f"# log: {out_dir}/node1.log" in lines
+    assert not out_dir.exists()
+
+
+def test_rendezvous_layout(sandbox):
+    proc = _launch(sandbox, ["--dry-run", *SMALL, "--distributed-timeout-minutes", "9"],
+                   NNODES="2", NPROC_PER_NODE="2", RDZV_ENDPOINT="head-node:29400",
+                   RDZV_ID="job42", DISTRIBUTED_TIMEOUT_MINUTES="7")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert {"RDZV_BACKEND=c10d", "RDZV_ENDPOINT=head-node:29400", "RDZV_ID=job42"} <= set(lines)
+    commands = _commands(proc.stdout)
+    rdzv = "--nproc-per-node 2 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint head-node:29400"
+    assert f"{rdzv} --rdzv-id job42 -m megatron_slmoe.training.finetune" in commands["training"]
+    assert f"{rdzv} --rdzv-id job42-preflight -m megatron_slmoe.preflight" in commands["preflight"]
+    for text in commands.values():
+        assert "--node-rank" not in text and "--master-addr" not in text
+    # the environment's timeout is a default: the flag on the command line comes later and wins
+    train = commands["training"]
+    assert train.index("--distributed-timeout-minutes 7") < train.index("--distributed-timeout-minutes 9")
+
+
+def test_processes_per_node_from_visible_devices(sandbox):
+    nvidia = sandbox["bin"] / "nvidia-smi"
+    nvidia.write_text("#!/bin/sh\nfor i in 0 1 2; do echo \"GPU $i: NVIDIA H100 (UUID: GPU-$i)\"; done\n")
+    nvidia.chmod(0o755)
+    path = f"{sandbox['bin']}:{sandbox['env']['PATH']}"
+    cases = [({"PATH": path}, 3), ({"PATH": path, "CUDA_VISIBLE_DEVICES": "0,1"}, 2),
+             ({"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}, 4), ({}, 2)]
+    for env, expected in cases:
+        proc = _launch(sandbox, ["--dry-run", "--no-preflight", *SMALL, "--global-batch-size", "48",
+                                 "--micro-batch-size", "1"], **env)
+        assert proc.returncode == 0, proc.stderr
+        assert f"NPROC_PER_NODE={expected}" in proc.stdout.splitlines(), (env, proc.stdout)
+        assert "# preflight" not in proc.stdout
+        assert f"--nproc-per-node {expected} --nnodes 1 --standalone" in _commands(proc.stdout)["training"]
+
+
+def test_network_profile_checked_before_launch(sandbox):
+    sysfs = fake_sysfs(sandbox["tmp"] / "sys", hcas={"mlx5_0": {1: ("4: ACTIVE", "Ethernet", ROCE_GIDS)}})
+    good = {"NETWORK_PROFILE": "roce", "SLMOE_SYSFS_ROOT": str(sysfs)}
+    proc = _launch(sandbox, ["--dry-run", *SMALL], **good)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "[netcheck] profile roce: ok" in lines
+    # the profile's documented defaults are exported, and an explicit value wins
+    assert {"NCCL_IB_GID_INDEX=3", "NCCL_IB_HCA=mlx5", "NCCL_SOCKET_IFNAME=eth0",
+            "NCCL_IB_TC=106", "NETWORK_PROFILE=roce"} <= set(lines)
+
+    # a RoCE v1 GID: one line, exit 2, no command printed, nothing started (even without --dry-run)
+    for args in (["--dry-run", *SMALL], SMALL):
+        proc = _launch(sandbox, args, **good, NCCL_IB_GID_INDEX="2")
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines() == [
+            f"netcheck: NCCL_IB_GID_INDEX=2: GID 2 of mlx5_0 port 1 is 'IB/RoCE v1', not 'RoCE v2' "
+            f"({sysfs}/class/infiniband/mlx5_0/ports/1/gid_attrs/types/2; RoCE v2 GIDs here: 1, 3)"]
+        assert "torchrun" not in proc.stdout
+
+    proc = _launch(sandbox, ["--dry-run", *SMALL], NETWORK_PROFILE="opa")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["error: NETWORK_PROFILE=opa is not one of ib, roce, hccl"]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NNODES": "2", "MASTER_ADDR": "10.0.0.1"},
+     "error: NODE_RANK is not set (needed with NNODES=2 and a static master; or set RDZV_ENDPOINT)"),
+    ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"},
+     "error: NODE_RANK=2 must be below NNODES=2"),
+    ({"NPROC_PER_NODE": "two"}, "error: NPROC_PER_NODE=two must be an integer >= 1"),
+])
+def test_bad_layout_is_one_line(sandbox, env, message):
+    proc = _launch(sandbox, ["--dry-run", *SMALL], **env)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [message]
