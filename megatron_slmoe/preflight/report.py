@@ -33,7 +33,8 @@ def format_table(report: dict, path: str | None = None) -> str:
                  if op in s]
         if "p2p" in s:
             parts.append(f"p2p {s['p2p']['min_gbps']:.3f}")
-        lines.append(f"{title}: " + (", ".join(parts) + " GB/s (slowest)" if parts else "n/a"))
+        lines.append(f"{title}: " + (", ".join(parts) + " GB/s (slowest)" if parts
+                                     else "n/a (nothing measured there)"))
     p2p = report["p2p"]
     slow = p2p["slowest"]
     if slow:

@@ -34,11 +34,12 @@ def scope(group: Sequence[int], node_of: Sequence[int]) -> str:
 def split_by_node(group: Sequence[int], node_of: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
     """A group's within-node parts (its ranks on each node) and across-node parts (the i-th rank
     of the group on every node), each of at least two ranks: the two hops of a hierarchical
-    collective. Both are empty for a group that is already within one node."""
+    collective. Both are empty for a group that is already within one node, or that has one
+    rank per node (its across-node part would be the group itself)."""
     by_node: dict[int, list[int]] = {}
     for rank in group:
         by_node.setdefault(node_of[rank], []).append(rank)
-    if len(by_node) < 2:
+    if len(by_node) < 2 or len(by_node) == len(group):
         return [], []
     intra = [ranks for ranks in by_node.values() if len(ranks) > 1]
     depth = max(len(ranks) for ranks in by_node.values())

@@ -28,7 +28,8 @@ def test_split_by_node_gives_the_two_hops():
     assert intra == [[0, 1], [2, 3], [4, 5]]
     assert inter == [[0, 2, 4], [1, 3, 5]]
     assert topology.split_by_node([0, 1], node_of) == ([], [])  # already within one node
-    assert topology.split_by_node([0, 2], node_of) == ([], [[0, 2]])  # one rank per node
+    assert topology.split_by_node([0, 2], node_of) == ([], [])  # one rank per node: no hops
+    assert topology.split_by_node([0, 1, 2], node_of) == ([[0, 1]], [[0, 2]])
     assert topology.scope([0, 1], node_of) == "intra" and topology.scope([1, 2], node_of) == "inter"
 
 
