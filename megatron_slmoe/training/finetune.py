@@ -73,6 +73,7 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.train, self.valid, self.tokenizer = build_sources(args, self.model_config)
+        self._num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
         self.writer = None
         if self.rank == 0:
             from megatron_slmoe.training.metrics import MetricsWriter
@@ -182,7 +183,7 @@ class Trainer:
             routing = self.monitor.step(iteration)
             record = {"iteration": iteration, "loss": loss, "lr": self.scheduler.get_lr(
                 self.optimizer.param_groups[0]), "grad_norm": grad_norm,
-                "consumed_samples": consumed}
+                "consumed_samples": consumed, "aux_losses": self._aux_losses()}
             if iteration % args.eval_interval == 0 or iteration == args.train_iters:
                 eval_loss = self.evaluate()
                 record["eval_loss"] = eval_loss
@@ -249,6 +250,31 @@ class Trainer:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
         return 0
+
+    def _aux_losses(self) -> dict[str, float]:
+        """The step's load-balancing / z losses from Megatron's aux-loss tracker (summed over
+        layers, averaged over micro-batches and data-parallel ranks), then cleared."""
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        # Every rank must reduce the same names in the same order.
+        names = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(names, sorted(tracker))
+        result = {}
+        for name in sorted(set().union(*names)):
+            if name in tracker:
+                values = tracker[name]["values"].detach().clone().double()
+            else:  # this stage logged no such loss
+                values = torch.zeros(self.config.num_layers, dtype=torch.float64)
+            values = values.to(self.platform.device())
+            # Stages hold different layers: sum over the pipeline. gloo has no AVG: sum and divide.
+            torch.distributed.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+            torch.distributed.all_reduce(values, group=parallel_state.get_data_parallel_group())
+            result[name] = values.sum().item() / (self.dp_size * self._num_microbatches)
+            if name in tracker:
+                tracker[name]["values"].zero_()
+        return result
 
     def _gather_routing(self, routing: dict) -> list[dict]:
         """Every pipeline stage's layers, so rank 0's record covers the whole model."""

@@ -23,3 +23,15 @@ def megatron_single_rank():
         parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_aux_loss_tracker():
+    """Megatron keeps aux losses in a module-global tracker sized by the first model that logs
+    one; tests build models of different depths in one process, so start each from empty."""
+    yield
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    except ImportError:
+        return
+    get_moe_layer_wise_logging_tracker().clear()
