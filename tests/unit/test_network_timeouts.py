@@ -1,0 +1,57 @@
+"""--distributed-timeout-minutes (the launcher's DISTRIBUTED_TIMEOUT_MINUTES) reaches the default
+process group and every group Megatron-Core's parallel_state builds for the job."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+# One rank, the way the entry point sets up (model_setup.init_distributed), then every group's timeout.
+PROBE = """
+import json, types, torch
+import megatron_slmoe
+from torch.distributed import distributed_c10d as c10d
+from megatron_slmoe.training import model_setup
+args = types.SimpleNamespace(distributed_timeout_minutes=7, tensor_model_parallel_size=1,
+                             pipeline_model_parallel_size=1, expert_model_parallel_size=1, seed=1)
+model_setup.init_distributed(args, megatron_slmoe.PLATFORM)
+out = {}
+for pg in list(c10d._world.pg_map):
+    backend = pg._get_backend(torch.device(megatron_slmoe.PLATFORM.device().type))
+    out[pg.group_desc] = backend.options._timeout.total_seconds() / 60
+print("GROUPS " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def group_timeouts():
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("GROUPS "))
+    return json.loads(line[len("GROUPS "):])
+
+
+KNOWN_UPSTREAM = "EXPERT_DATA_PARALLEL_GROUP_GLOO"
+
+
+def test_every_group_carries_the_configured_timeout(group_timeouts):
+    assert {"default_pg", "DATA_PARALLEL_GROUP", "EXPERT_MODEL_PARALLEL_GROUP",
+            "TENSOR_MODEL_PARALLEL_GROUP", "PIPELINE_MODEL_PARALLEL_GROUP"} <= set(group_timeouts)
+    wrong = {k: v for k, v in group_timeouts.items() if v != 7 and k != KNOWN_UPSTREAM}
+    assert not wrong, f"groups without --distributed-timeout-minutes 7: {wrong}"
+
+
+@pytest.mark.xfail(strict=True, reason="megatron-core 0.16 parallel_state creates "
+                   "EXPERT_DATA_PARALLEL_GROUP_GLOO without timeout= (torch's 30 min default); "
+                   "fix: set_timeout() on it after initialize_model_parallel")
+def test_expert_data_parallel_gloo_group_carries_the_timeout(group_timeouts):
+    assert group_timeouts[KNOWN_UPSTREAM] == 7
