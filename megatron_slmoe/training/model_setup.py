@@ -31,6 +31,8 @@ def init_distributed(args, platform) -> None:
         expert_tensor_parallel_size=1,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
+    # megatron-core 0.16 builds this one group without the timeout (torch's 30-minute default).
+    parallel_state.update_pg_timeout(timeout, parallel_state.get_expert_data_parallel_group_gloo())
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
