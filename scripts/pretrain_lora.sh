@@ -14,7 +14,12 @@
 #   NNODES          nodes in the job (default 1)
 #   static master:  NODE_RANK (0..NNODES-1), MASTER_ADDR, MASTER_PORT (default 29500)
 #   or rendezvous:  RDZV_ENDPOINT=host:port (c10d; RDZV_BACKEND to change it), RDZV_ID (default
-#                   slmoe-lora): nodes may start in any order and need no NODE_RANK
+#                   slmoe-lora): nodes may start in any order and need no NODE_RANK. RDZV_CONF
+#                   goes to --rdzv-conf: "is_host=1" on the endpoint's node when torchrun does not
+#                   recognise the endpoint address as its own (it then starts no store).
+#                   NODE_RANK, if set, only names the log (torchrun assigns the ranks).
+#   LOCAL_ADDR      this node's address for the other nodes (torchrun --local-addr; default its
+#                   FQDN): set it where the host name does not resolve to the routable address
 #   MAX_RESTARTS    torchrun restarts of failed workers (default 0)
 #   Single node without MASTER_ADDR or RDZV_ENDPOINT: torchrun --standalone (a free port).
 # Network: NETWORK_PROFILE=ib|roce|hccl sources scripts/network/<profile>.sh (NCCL_*/HCCL_*
@@ -61,6 +66,7 @@ DISTRIBUTED_ARGS=(--nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES")
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
     RDZV_BACKEND=${RDZV_BACKEND:-c10d}
     DISTRIBUTED_ARGS+=(--rdzv-backend "$RDZV_BACKEND" --rdzv-endpoint "$RDZV_ENDPOINT")
+    slmoe_opt DISTRIBUTED_ARGS --rdzv-conf "${RDZV_CONF:-}"
 elif [ "$NNODES" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
     DISTRIBUTED_ARGS+=(--standalone)  # single node: torchrun picks a free port itself
 else
@@ -73,6 +79,7 @@ else
     [ "$MASTER_PORT" -le 65535 ] || slmoe_die "MASTER_PORT=$MASTER_PORT must be at most 65535"
     DISTRIBUTED_ARGS+=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
+slmoe_opt DISTRIBUTED_ARGS --local-addr "${LOCAL_ADDR:-}"
 slmoe_opt DISTRIBUTED_ARGS --max-restarts "${MAX_RESTARTS:-}"
 
 # --- network profile ----------------------------------------------------------------------------

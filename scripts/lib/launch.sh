@@ -72,8 +72,8 @@ slmoe_last_value() {
 slmoe_print_env() {
     local name
     local names=(NNODES NODE_RANK NPROC_PER_NODE MASTER_ADDR MASTER_PORT)
-    if [ -n "${RDZV_ENDPOINT:-}" ]; then names+=(RDZV_BACKEND RDZV_ENDPOINT RDZV_ID); fi
-    names+=(NETWORK_PROFILE DISTRIBUTED_TIMEOUT_MINUTES)
+    if [ -n "${RDZV_ENDPOINT:-}" ]; then names+=(RDZV_BACKEND RDZV_ENDPOINT RDZV_ID RDZV_CONF); fi
+    names+=(LOCAL_ADDR MAX_RESTARTS NETWORK_PROFILE DISTRIBUTED_TIMEOUT_MINUTES)
     for name in "${names[@]}"; do
         if [ -n "${!name:-}" ]; then printf '%s=%q\n' "$name" "${!name}"; fi
     done

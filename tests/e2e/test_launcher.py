@@ -25,7 +25,7 @@ def sandbox(tmp_path):
     fake.write_text(f"#!/bin/sh\ntouch {marker}\n")
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "HCCL_", "RDZV_"))}
-    for name in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE",
+    for name in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "LOCAL_ADDR",
                  "NETWORK_PROFILE", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "TP", "EP",
                  "OUTPUT_DIR", "DISTRIBUTED_TIMEOUT_MINUTES", "SLMOE_PREFLIGHT"):
         env.pop(name, None)
@@ -73,12 +73,15 @@ def test_static_master_layout_and_settings(sandbox):
 def test_rendezvous_layout(sandbox):
     proc = _launch(sandbox, ["--dry-run", *SMALL, "--distributed-timeout-minutes", "9"],
                    NNODES="2", NPROC_PER_NODE="2", RDZV_ENDPOINT="head-node:29400",
-                   RDZV_ID="job42", DISTRIBUTED_TIMEOUT_MINUTES="7")
+                   RDZV_ID="job42", RDZV_CONF="is_host=1", LOCAL_ADDR="10.0.0.5",
+                   DISTRIBUTED_TIMEOUT_MINUTES="7")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert {"RDZV_BACKEND=c10d", "RDZV_ENDPOINT=head-node:29400", "RDZV_ID=job42"} <= set(lines)
+    assert {"RDZV_BACKEND=c10d", "RDZV_ENDPOINT=head-node:29400", "RDZV_ID=job42",
+            "RDZV_CONF=is_host=1", "LOCAL_ADDR=10.0.0.5"} <= set(lines)
     commands = _commands(proc.stdout)
-    rdzv = "--nproc-per-node 2 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint head-node:29400"
+    rdzv = ("--nproc-per-node 2 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint head-node:29400 "
+            "--rdzv-conf is_host=1 --local-addr 10.0.0.5")
     assert f"{rdzv} --rdzv-id job42 -m megatron_slmoe.training.finetune" in commands["training"]
     assert f"{rdzv} --rdzv-id job42-preflight -m megatron_slmoe.preflight" in commands["preflight"]
     for text in commands.values():

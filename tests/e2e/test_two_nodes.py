@@ -1,7 +1,8 @@
 """Two nodes on one machine: two network namespaces joined by a veth pair (.ci/netns.sh), the
 launcher run once per node inside each (NNODES=2, NODE_RANK=0/1, MASTER_ADDR=10.77.0.1, gloo on
 the veth). A tiny LoRA run trains to completion across the "nodes", with the preflight report
-between them; run again with more steps, it resumes from its checkpoint.
+between them; run again with more steps, this time meeting through a c10d rendezvous instead of
+a static master, it resumes from its checkpoint.
 
 Skipped, with the reason, where network namespaces cannot be created (not root, no iproute2)."""
 
@@ -50,13 +51,19 @@ def base(tmp_path_factory):
     return root / "base"
 
 
-def _two_nodes(namespaces, args: list[str], timeout: float = 600) -> list[str]:
+def _two_nodes(namespaces, args: list[str], rendezvous: bool = False, timeout: float = 600) -> list[str]:
     """The launcher on both nodes at once; their outputs (stdout + stderr) by node rank."""
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "10.77.0.1",
-               "MASTER_PORT": "29400", "NPROC_PER_NODE": "1",
+        env = {**os.environ, "NNODES": "2", "NODE_RANK": str(rank), "NPROC_PER_NODE": "1",
                "GLOO_SOCKET_IFNAME": namespaces["veth"][rank]}
+        if rendezvous:
+            # The host name resolves to 127.0.0.1 in both namespaces: name each node's address,
+            # and tell node 0 that it hosts the rendezvous store.
+            env.update(RDZV_ENDPOINT="10.77.0.1:29401", RDZV_ID="two-nodes",
+                       LOCAL_ADDR=f"10.77.0.{rank + 1}", RDZV_CONF="is_host=1" if rank == 0 else "")
+        else:
+            env.update(MASTER_ADDR="10.77.0.1", MASTER_PORT="29400")
         procs.append(subprocess.Popen(
             ["ip", "netns", "exec", namespaces["ns"][rank], "bash", "scripts/pretrain_lora.sh", *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -96,8 +103,8 @@ def test_lora_run_across_two_namespaces_then_resume(namespaces, base, tmp_path):
     assert not any(line.startswith("[preflight]") for line in node1.splitlines())  # rank 0 only
     print("\n" + "\n".join(table))
 
-    # again, with two more steps: both nodes pick up the checkpoint of step 4
-    node0, _ = _two_nodes(namespaces, [*args, "--train-iters", "6", "--no-preflight"])
+    # again, with two more steps and a rendezvous: both nodes pick up the checkpoint of step 4
+    node0, _ = _two_nodes(namespaces, [*args, "--train-iters", "6", "--no-preflight"], rendezvous=True)
     assert f"resumed from {out_dir}/checkpoints/iter_0000004 at iteration 4" in node0
     assert "[finetune] step 6/6" in node0 and "[preflight]" not in node0
     summary = json.loads((out_dir / "summary.json").read_text())
