@@ -7,7 +7,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -36,8 +36,6 @@ class PreflightOptions:
     p2p_max_rounds: int = 64
     node_size: Optional[int] = None
     timeout: float = 60.0
-    report: Optional[str] = None
-    extra: dict = field(default_factory=dict)  # recorded in the report as is
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -57,6 +55,11 @@ class _Preflight:
         self.size = int((options.size_mb or (64 if accelerator else 1)) * MIB)
         self.p2p_size = int((options.p2p_size_mb or (16 if accelerator else 1)) * MIB)
         self.device = platform.device(self.local_rank)
+
+    def _identity(self) -> dict:
+        """What the others learn about this rank (torchrun's GROUP_RANK is its node)."""
+        return {"rank": self.rank, "host": self.host, "local_rank": self.local_rank,
+                "group_rank": _env_int("GROUP_RANK"), "local_world_size": _env_int("LOCAL_WORLD_SIZE")}
 
     # -- 1. join ---------------------------------------------------------------------------------
 
@@ -79,9 +82,7 @@ class _Preflight:
     def join(self) -> tuple[Any, float]:
         start = time.perf_counter()
         store = self._store()
-        me = {"rank": self.rank, "host": self.host, "local_rank": self.local_rank,
-              "group_rank": _env_int("GROUP_RANK"), "local_world_size": _env_int("LOCAL_WORLD_SIZE")}
-        store.set(f"joined/{self.rank}", json.dumps(me))
+        store.set(f"joined/{self.rank}", json.dumps(self._identity()))
         store.add("count", 1)
         deadline = start + self.o.timeout
         while store.add("count", 0) < self.world:
@@ -126,9 +127,7 @@ class _Preflight:
             self.platform.backend, store=dist.PrefixStore("pg/", store), rank=self.rank,
             world_size=self.world, timeout=self.timeout))
         self.ranks = [None] * self.world
-        me = {"rank": self.rank, "host": self.host, "local_rank": self.local_rank,
-              "group_rank": _env_int("GROUP_RANK"), "local_world_size": _env_int("LOCAL_WORLD_SIZE")}
-        dist.all_gather_object(self.ranks, me)
+        dist.all_gather_object(self.ranks, self._identity())
         self.node_of = topology.node_ids(self.ranks, self.o.node_size)
         self._step("building Megatron's parallel groups", lambda: parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.o.tp, pipeline_model_parallel_size=self.o.pp,
@@ -359,9 +358,10 @@ def run(options: PreflightOptions, platform=None) -> Optional[dict]:
             layout = {"tp": options.tp, "pp": options.pp, "ep": options.ep,
                       "dp": pf.world // (options.tp * options.pp)}
             info = {"world_size": pf.world, "platform": platform.name, "backend": platform.backend,
-                    "layout": layout, "join_seconds": join_seconds, "bytes": pf.size, "p2p_bytes": pf.p2p_size,
+                    "layout": layout, "join_seconds": join_seconds, "bytes": pf.size,
+                    "p2p_bytes": pf.p2p_size,
                     "iters": options.iters, "p2p_iters": options.p2p_iters,
-                    "p2p_coverage": coverage, **options.extra}
+                    "p2p_coverage": coverage}
             report = build_report(gathered, pf.ranks, pf.node_of, info)
             report["seconds"] = time.perf_counter() - started
         dist.barrier()
