@@ -21,6 +21,7 @@
 #   LOCAL_ADDR      this node's address for the other nodes (torchrun --local-addr; default its
 #                   FQDN): set it where the host name does not resolve to the routable address
 #   MAX_RESTARTS    torchrun restarts of failed workers (default 0)
+#   TORCHRUN        the torchrun command (default: torchrun of the environment)
 #   Single node without MASTER_ADDR or RDZV_ENDPOINT: torchrun --standalone (a free port).
 # Network: NETWORK_PROFILE=ib|roce|hccl sources scripts/network/<profile>.sh (NCCL_*/HCCL_*
 #   defaults, each overridable) and checks them against the machine before anything starts
@@ -32,7 +33,8 @@
 # Logs: each node appends its output to <output dir>/node<NODE_RANK>.log (runs/logs/ without
 #   --output-dir), and prints it too.
 # Settings: the variables of the arrays below (MODEL_CONFIG, TP, EP, LORA_RANK, TRAIN_ITERS, ...);
-#   unset ones leave the entry point's default, shown in brackets.
+#   unset ones leave the entry point's default, shown in brackets. With no flags at all the demo
+#   runs, on these settings plus its own.
 # Demo only: SLMOE_DEMO_DIR (default runs/demo), SLMOE_DEMO_BASE_ITERS (300),
 #   SLMOE_DEMO_LORA_ITERS (200) — smaller values make a quicker check.
 set -euo pipefail
