@@ -258,11 +258,14 @@ class Trainer:
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         tracker = get_moe_layer_wise_logging_tracker()
-        # Every rank must reduce the same names in the same order.
-        names = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(names, sorted(tracker))
+        if getattr(self, "_aux_names", None) is None:
+            # Every rank must reduce the same names in the same order; the set is fixed by the
+            # model after its first training step, so agree on it once, not every step.
+            names = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(names, sorted(tracker))
+            self._aux_names = sorted(set().union(*names))
         result = {}
-        for name in sorted(set().union(*names)):
+        for name in self._aux_names:
             if name in tracker:
                 values = tracker[name]["values"].detach().clone().double()
             else:  # this stage logged no such loss
