@@ -34,8 +34,6 @@ then agrees with the others (one all-reduce) that nothing was missing or left ov
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from typing import Any, Mapping, Optional
 
 import torch
@@ -50,6 +48,7 @@ from megatron_slmoe.lora.inject import (
     unwrap_chunks,
 )
 from megatron_slmoe.lora.layers import LoRAPiece
+from megatron_slmoe.utils.atomic import atomic_directory
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -187,47 +186,22 @@ def save_adapter(model_chunks: ModelChunks, directory: str | os.PathLike, lora_c
     return directory
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_adapter(directory: str, tensors: dict[str, torch.Tensor], config_text: str) -> None:
     from safetensors.torch import save_file
 
-    parent, base = os.path.split(directory)
     if os.path.lexists(directory):
         if not os.path.isdir(directory):
             raise AdapterError(f"{directory} exists and is not a directory")
         if os.listdir(directory) and not os.path.exists(os.path.join(directory, ADAPTER_CONFIG)):
             raise AdapterError(f"{directory} is a non-empty directory that holds no adapter; "
                                f"refusing to replace it")
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
-    try:
-        weights = os.path.join(staging, ADAPTER_WEIGHTS)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, weights,
+    with atomic_directory(directory, replace=True) as staging:
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  os.path.join(staging, ADAPTER_WEIGHTS),
                   metadata={"format": "pt", "format_version": str(FORMAT_VERSION),
                             "tensor_naming": TENSOR_NAMING})
-        config = os.path.join(staging, ADAPTER_CONFIG)
-        with open(config, "w", encoding="utf-8") as fh:
+        with open(os.path.join(staging, ADAPTER_CONFIG), "w", encoding="utf-8") as fh:
             fh.write(config_text)
-        for path in (weights, config, staging):
-            _fsync(path)
-        if os.path.lexists(directory):
-            retired = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
-            os.replace(directory, retired)  # onto the empty placeholder
-            os.replace(staging, directory)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, directory)
-        _fsync(parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 # --- loading -------------------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Optional
+
+from megatron_slmoe.utils.atomic import write_json_atomic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,11 +84,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"preflight: error: {err}", file=sys.stderr, flush=True)
         return 1
     if report is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(report_path)), exist_ok=True)
-        tmp = f"{report_path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        os.replace(tmp, report_path)
+        write_json_atomic(report_path, report)
         for line in format_table(report, report_path).splitlines():
             print(f"[preflight] {line}", flush=True)
     return 0

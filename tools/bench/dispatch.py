@@ -17,7 +17,6 @@ dispatcher, ep_size, latent, tokens, fwd_bwd_ms, bytes_intra_node, bytes_inter_n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -54,6 +53,8 @@ def main(argv=None) -> int:
     import megatron_slmoe
     from megatron.core import parallel_state
 
+    from megatron_slmoe.utils.atomic import write_json_atomic
+
     platform = megatron_slmoe.PLATFORM
     platform.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.distributed.init_process_group(platform.backend, timeout=timedelta(minutes=10))
@@ -71,9 +72,7 @@ def main(argv=None) -> int:
     if rank == 0:
         print_table(rows)
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
+            write_json_atomic(args.json, rows)
             print(f"wrote {args.json}")
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
