@@ -112,7 +112,7 @@ class Tokenizer:
         return self.special_tokens[token]
 
     def save(self, path: str) -> None:
-        write_text_atomic(path, self._tk.to_str(pretty=True))
+        write_text_atomic(path, self._tk.to_str(pretty=True) + "\n")
 
     # ---- Megatron-Core duck type -----------------------------------------------------------------
 
