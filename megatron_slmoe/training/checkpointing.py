@@ -156,6 +156,27 @@ def _prune(root: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def save_base_checkpoint(model, directory: str, model_config_name: str) -> None:
+    """The whole model as a Megatron dist checkpoint (a base for LoRA runs), with the name of its
+    model config in ``model_config.txt``. Collective; it appears under ``directory`` only when
+    complete (written to ``<directory>.tmp``, then renamed by rank 0)."""
+    rank = torch.distributed.get_rank()
+    directory = os.path.abspath(directory)
+    tmp = directory + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), tmp)
+    torch.distributed.barrier()
+    if rank == 0:
+        write_text_atomic(os.path.join(tmp, "model_config.txt"), model_config_name)
+        if os.path.exists(directory):
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    torch.distributed.barrier()
+
+
 # --- loading -----------------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ def inputs(tmp_path_factory):
     from megatron.core import dist_checkpointing
 
     from megatron_slmoe.lora import inject_lora, save_adapter
-    from megatron_slmoe.moe.model_config import load_model_config
+    from megatron_slmoe.model.config import load_model_config
 
     root = tmp_path_factory.mktemp("merge-tool")
     config_path = root / "merge_unit.yaml"

@@ -120,8 +120,8 @@ def bench_shape(args, tokens, width, num_experts, platform):
     import torch
     from megatron.core import parallel_state
 
-    from megatron_slmoe.moe.alltoall import AllToAllDispatcher
-    from megatron_slmoe.moe.dispatcher import AllGatherDispatcher
+    from megatron_slmoe.moe.dispatch import AllToAllDispatcher
+    from megatron_slmoe.moe.dispatch import AllGatherDispatcher
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     ep_group = parallel_state.get_expert_model_parallel_group()

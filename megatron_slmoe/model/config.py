@@ -1,4 +1,4 @@
-"""Model configurations as YAML files, and the Megatron-Core objects built from them.
+"""Model configurations: YAML files of Megatron-Core TransformerConfig fields, read and checked.
 
 A model file is a mapping with two sections::
 
@@ -10,8 +10,8 @@ A model file is a mapping with two sections::
 
 Only model fields belong in a file: run settings (parallel sizes, dtypes, initialisation, the
 fields of Megatron's ModelParallelConfig) are passed as overrides to
-``ModelConfig.transformer_config``. The packaged files live in ``megatron_slmoe/configs/``;
-``load_model_config("tiny")`` finds ``configs/tiny.yaml``.
+``ModelConfig.transformer_config``. The packaged files live in ``megatron_slmoe/model/configs/``;
+``load_model_config("tiny")`` finds ``configs/tiny.yaml``. Building the model: ``model.build``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Union
+from typing import Any, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +32,15 @@ import yaml
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_slmoe.moe.config import SLMoEConfig
-from megatron_slmoe.moe.validation import (
-    ConfigError,
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.config.types import coerce, describe, matches
+from megatron_slmoe.model.validation import (
+    EXPERT_TENSOR_PARALLEL_SIZE,
     flag,
     make_transformer_config,
     validate_moe_config,
 )
+from megatron_slmoe.moe.config import SLMoEConfig
 
 _REQUIRED = object()
 
@@ -57,7 +59,8 @@ GPT_FIELDS: dict[str, tuple[Any, Any]] = {
 # may still set them.
 _DEFAULTS: dict[str, Any] = {
     "add_bias_linear": False,
-    "expert_tensor_parallel_size": 1,  # Megatron's default is the TP size; our experts stay whole
+    # Megatron's default is the TP size; our experts stay whole (see model.validation).
+    "expert_tensor_parallel_size": EXPERT_TENSOR_PARALLEL_SIZE,
     "moe_grouped_gemm": False,
 }
 
@@ -111,26 +114,12 @@ class ModelConfig:
         return {name: getattr(self, name) for name in GPT_FIELDS}
 
 
-def build_gpt_model(model_config: ModelConfig, transformer_config: TransformerConfig,
-                    pre_process: bool = True, post_process: bool = True,
-                    vp_stage: int | None = None):
-    """Megatron's GPTModel with Stable Latent MoE layers (this rank's pipeline stage)."""
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
-
-    spec = get_slmoe_decoder_block_spec(transformer_config, model_config.slmoe, vp_stage=vp_stage)
-    return GPTModel(config=transformer_config, transformer_layer_spec=spec,
-                    pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                    **model_config.gpt_kwargs())
-
-
 # --- reading a file --------------------------------------------------------------------------
 
 
 def packaged_configs() -> list[str]:
     """Names of the model configs shipped with the package."""
-    folder = importlib.resources.files("megatron_slmoe") / "configs"
+    folder = importlib.resources.files("megatron_slmoe.model") / "configs"
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
@@ -141,11 +130,11 @@ def _resolve(path_or_name: str | os.PathLike) -> tuple[str, str, str]:
     is_path = (os.sep in text_path or text_path.endswith((".yaml", ".yml"))
                or os.path.exists(text_path))
     if not is_path:
-        resource = importlib.resources.files("megatron_slmoe") / "configs" / f"{text_path}.yaml"
+        resource = importlib.resources.files("megatron_slmoe.model") / "configs" / f"{text_path}.yaml"
         if not resource.is_file():
             raise ConfigError(f"no model config named {text_path!r}: not a file, and the packaged "
                               f"configs are {', '.join(packaged_configs())}")
-        return text_path, f"megatron_slmoe/configs/{text_path}.yaml", resource.read_text(
+        return text_path, f"megatron_slmoe/model/configs/{text_path}.yaml", resource.read_text(
             encoding="utf-8")
     try:
         with open(text_path, encoding="utf-8") as fh:
@@ -195,65 +184,15 @@ def _run_settings() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(ModelParallelConfig))
 
 
-def _matches(value: Any, hint: Any) -> bool | None:
-    """Whether a YAML value fits a type hint; None when the hint is not expressible in YAML."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is list:
-        return isinstance(value, list)
-    if origin is Literal:
-        return any(value == arg and type(value) is type(arg) for arg in args)
-    if origin in (Union, types.UnionType):
-        results = [_matches(value, arg) for arg in args]
-        if any(results):
-            return True
-        return False if any(r is not None for r in results) else None
-    if origin in (list, tuple):
-        if not isinstance(value, list):
-            return False
-        item = args[0] if args else Any
-        if item is Any or item is Ellipsis:
-            return True
-        results = [_matches(v, item) for v in value]
-        return None if None in results else all(results)
-    return None
-
-
-def _describe(hint: Any) -> str:
-    text = str(hint).replace("typing.", "")
-    return getattr(hint, "__name__", text) if not typing.get_args(hint) else text
-
-
-def _wants_tuple(hint: Any) -> bool:
-    """Whether a YAML list for this hint becomes a tuple (``window_size: Tuple[int, int]``)."""
-    if typing.get_origin(hint) is tuple:
-        return True
-    return typing.get_origin(hint) in (Union, types.UnionType) and any(
-        typing.get_origin(arg) is tuple for arg in typing.get_args(hint))
-
-
 def _check_value(name: str, value: Any, hint: Any, where: str) -> Any:
-    fits = _matches(value, hint)
+    fits = matches(value, hint)
     if fits is None:
         raise ConfigError(f"{where}: model.{name} cannot be set in a model file "
-                          f"(its type {_describe(hint)} has no YAML form)")
+                          f"(its type {describe(hint)} has no YAML form)")
     if not fits:
-        raise ConfigError(f"{where}: model.{name} ({flag(name)}) must be {_describe(hint)}, "
+        raise ConfigError(f"{where}: model.{name} ({flag(name)}) must be {describe(hint)}, "
                           f"got {value!r}")
-    if isinstance(value, list) and _wants_tuple(hint):
-        return tuple(value)
-    if hint is float and isinstance(value, int):
-        return float(value)
-    return value
+    return coerce(value, hint)
 
 
 def _model_section(section: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -291,10 +230,10 @@ def _slmoe_section(section: Any, where: str) -> SLMoEConfig:
         if name not in known:
             raise ConfigError(f"{where}: unknown key slmoe.{name} (SLMoEConfig fields: "
                               f"{', '.join(sorted(known))})")
-        if not _matches(value, hints[name]):
-            raise ConfigError(f"{where}: slmoe.{name} must be {_describe(hints[name])}, "
+        if not matches(value, hints[name]):
+            raise ConfigError(f"{where}: slmoe.{name} must be {describe(hints[name])}, "
                               f"got {value!r}")
-    from megatron_slmoe.moe.layer import DISPATCHERS
+    from megatron_slmoe.moe.dispatch import DISPATCHERS
 
     dispatcher = section.get("dispatcher", SLMoEConfig.dispatcher)
     if dispatcher not in DISPATCHERS:

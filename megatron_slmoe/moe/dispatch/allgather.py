@@ -1,15 +1,6 @@
-"""Token dispatchers: move each token's (latent) row to the ranks holding its experts and back.
+"""All-gather dispatcher: every expert-parallel rank gathers all tokens of its group.
 
-The interface every dispatcher implements (the all-to-all dispatcher of its own issue plugs in
-here too)::
-
-    rows_RL, tokens_per_expert_E, probs_R = dispatcher.dispatch(x_TL, probs_TE, routing_map_TE)
-    y_TL = dispatcher.combine(out_RL)
-
-``rows_RL`` holds one row per (token, local expert) assignment, grouped by local expert in expert
-order (tokens in their original order within a group); ``tokens_per_expert_E`` gives the group
-sizes (a CPU int64 tensor, zeros allowed) and ``probs_R`` each row's router probability. ``combine``
-sums the rows back onto their tokens (the experts have already weighted them by ``probs_R``).
+Implements ``megatron_slmoe.moe.dispatch.base.TokenDispatcher``.
 """
 
 from __future__ import annotations
@@ -20,10 +11,12 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from megatron_slmoe.moe.traffic import TrafficAccumulator
+from megatron_slmoe.launch.topology import NodeLayout, node_size_from_env
+from megatron_slmoe.moe.dispatch.base import Dispatched, TokenDispatcher
+from megatron_slmoe.moe.dispatch.traffic import TrafficAccumulator
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(TokenDispatcher):
     """Every expert-parallel rank gathers all tokens of its EP group, computes the rows routed to
     its local experts, and the partial outputs are reduce-scattered back to the token owners.
     Simple and robust; it moves every token to every EP rank, so it suits small EP sizes (the
@@ -31,8 +24,6 @@ class AllGatherDispatcher:
 
     def __init__(self, num_experts: int, local_expert_indices: list[int], ep_group,
                  node_size: int | None = None) -> None:
-        from megatron_slmoe.moe.alltoall import NodeLayout, node_size_from_env
-
         self.num_experts = num_experts
         self.first_local = local_expert_indices[0]
         self.num_local = len(local_expert_indices)
@@ -43,13 +34,11 @@ class AllGatherDispatcher:
         ep_ranks = (torch.distributed.get_process_group_ranks(ep_group)
                     if ep_group is not None and torch.distributed.is_initialized() else [0])
         layout = NodeLayout.from_ranks(ep_ranks, node_size_from_env(node_size))
-        me = ep_group.rank() if ep_group is not None else 0
-        self._peers_intra = sum(1 for r in range(self.ep_size)
-                                if r != me and layout.node_of_ep_rank[r] == layout.node_of_ep_rank[me])
-        self._peers_inter = self.ep_size - 1 - self._peers_intra
-        self._restore = None
+        self._peers_intra, self._peers_inter = layout.peers(
+            ep_group.rank() if ep_group is not None else 0)
 
-    def dispatch(self, x_TL: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor):
+    def dispatch(self, x_TL: torch.Tensor, probs_TE: torch.Tensor,
+                 routing_map_TE: torch.Tensor) -> Dispatched:
         if self.ep_size > 1:
             x_TL = gather_from_sequence_parallel_region(x_TL, group=self.ep_group)
             probs_TE = gather_from_sequence_parallel_region(probs_TE, group=self.ep_group)
@@ -60,18 +49,17 @@ class AllGatherDispatcher:
         expert_R, token_R = routing_map_TE[:, local].t().nonzero(as_tuple=True)
         tokens_per_expert_E = torch.bincount(expert_R, minlength=self.num_local).cpu()
         probs_R = probs_TE[:, local][token_R, expert_R]
-        self._restore = (token_R, x_TL.shape)
         # The gather sent our own rows to every peer; combine sends each peer its partial sums.
         row_bytes = x_TL.shape[-1] * x_TL.element_size()
         local_rows = x_TL.shape[0] // self.ep_size
         self.traffic.add(intra=2 * local_rows * self._peers_intra * row_bytes,
                          inter=2 * local_rows * self._peers_inter * row_bytes)
-        return x_TL.index_select(0, token_R), tokens_per_expert_E, probs_R
+        return Dispatched(x_TL.index_select(0, token_R), tokens_per_expert_E, probs_R,
+                          plan=(token_R, x_TL.shape[0]))
 
-    def combine(self, out_RL: torch.Tensor) -> torch.Tensor:
-        token_R, shape = self._restore
-        self._restore = None
-        y_TL = torch.zeros(shape[0], out_RL.shape[-1], dtype=out_RL.dtype, device=out_RL.device)
+    def combine(self, out_RL: torch.Tensor, plan) -> torch.Tensor:
+        token_R, num_tokens = plan
+        y_TL = torch.zeros(num_tokens, out_RL.shape[-1], dtype=out_RL.dtype, device=out_RL.device)
         y_TL = y_TL.index_add(0, token_R, out_RL)
         if self.ep_size > 1:
             y_TL = reduce_scatter_to_sequence_parallel_region(y_TL, group=self.ep_group)

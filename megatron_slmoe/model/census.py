@@ -12,15 +12,15 @@ its parameter census: total, active per token, and a breakdown by component.
 from __future__ import annotations
 
 import contextlib
-import socket
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-from megatron_slmoe.moe.model_config import ModelConfig, build_gpt_model
+from megatron_slmoe.model.build import build_gpt_model
+from megatron_slmoe.model.config import ModelConfig
+from megatron_slmoe.platform.single_rank import init_single_rank
 
 _META = torch.device("meta")
 
@@ -50,36 +50,6 @@ def meta_device():
     """Inside, every tensor created is a meta tensor (shape and dtype, no storage)."""
     with _MetaFactories():
         yield
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def ensure_single_rank_parallel_state() -> None:
-    """Megatron's parallel_state for this process alone (TP = PP = EP = 1), unless it is already
-    initialised (then it must have no model parallelism). Without a process group, starts a
-    one-rank gloo group on a free port of 127.0.0.1."""
-    from megatron.core import parallel_state
-
-    if not torch.distributed.is_initialized():
-        # An explicit address, not MASTER_ADDR/MASTER_PORT: those may belong to a parent job.
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-            timeout=timedelta(seconds=60))
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    sizes = {
-        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
-        "expert": parallel_state.get_expert_model_parallel_world_size(),
-    }
-    split = {kind: size for kind, size in sizes.items() if size != 1}
-    if split:
-        raise RuntimeError(f"parallel_state is already initialised with model parallelism {split}; "
-                           f"the whole model needs a process without it")
 
 
 def build_meta_model(model_config: ModelConfig, **overrides: Any):
@@ -147,5 +117,5 @@ def parameter_census(model) -> dict[str, Any]:
 def count_parameters(model_config: ModelConfig) -> dict[str, Any]:
     """Build ``model_config`` on meta (initialising a one-rank parallel_state if needed) and
     return its parameter census."""
-    ensure_single_rank_parallel_state()
+    init_single_rank()
     return parameter_census(build_meta_model(model_config))

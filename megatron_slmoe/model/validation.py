@@ -1,11 +1,12 @@
-"""Start-up checks of an MoE model configuration: every invalid combination is one ConfigError line
+"""Checks of an MoE model configuration: every invalid combination is one ConfigError line
 naming the Megatron command-line flag to change.
 
 ``validate_moe_config(fields, ...)`` runs on the TransformerConfig field dict *before* the
 TransformerConfig is built (Megatron's own checks raise asserts or multi-line tracebacks, and
 some combinations it accepts only fail deep inside the router). ``make_transformer_config(fields)``
 builds the TransformerConfig and turns whatever Megatron still raises into a ConfigError line.
-``flag(field)`` is the one place that spells a field as a command-line flag.
+``flag(field)`` spells a TransformerConfig field as its Megatron command-line flag (run settings
+carry theirs in ``megatron_slmoe.config``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import Any, Mapping
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.config.types import is_int, is_number
 
-class ConfigError(ValueError):
-    """An invalid model or run configuration. The message is one line and names the flag."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(str(message).split()))
+EXPERT_TENSOR_PARALLEL_SIZE = 1
+"""The Stable Latent MoE layer keeps each expert whole: expert tensor parallelism is 1 (the
+checks here refuse anything else; parallel state is initialised with it)."""
 
 
 # Fields whose Megatron flag is not "--" + the field name with dashes (Megatron's own
@@ -77,13 +78,13 @@ class _Fields:
         value = self.get(name)
         if value is None and optional:
             return None
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_int(value):
             raise ConfigError(f"{flag(name)} must be an integer, got {value!r}")
         return value
 
     def number(self, name: str) -> float | None:
         value = self.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        if value is not None and not is_number(value):
             raise ConfigError(f"{flag(name)} must be a number, got {value!r}")
         return value
 
@@ -130,11 +131,17 @@ def _check_parallel(f: _Fields, experts: int, tp: int, ep: int, etp: int) -> Non
     if experts % ep:
         raise ConfigError(f"--num-experts {experts} is not divisible by "
                           f"--expert-model-parallel-size {ep}")
-    if etp > 1:
-        raise ConfigError(f"--expert-tensor-parallel-size {etp} is not supported: the Stable "
-                          f"Latent MoE layer keeps each expert whole (use 1)")
+    check_expert_tensor_parallel(etp)
     if tp > 1 and not f.bool("sequence_parallel"):
         raise ConfigError(f"MoE with --tensor-model-parallel-size {tp} needs --sequence-parallel")
+
+
+def check_expert_tensor_parallel(size: int) -> None:
+    """The one place of the rule that experts stay whole."""
+    if size != EXPERT_TENSOR_PARALLEL_SIZE:
+        raise ConfigError(f"--expert-tensor-parallel-size {size} is not supported: the Stable "
+                          f"Latent MoE layer keeps each expert whole (use "
+                          f"{EXPERT_TENSOR_PARALLEL_SIZE})")
 
 
 def _check_widths(f: _Fields) -> None:

@@ -2,8 +2,7 @@
 
 Runs unchanged on NCCL, HCCL and gloo: the only collectives are ``all_to_all_single`` (through
 Megatron-Core's autograd ``all_to_all``, whose backward is the reverse exchange), and the split
-sizes reach the host once per exchange. Implements the dispatcher interface of
-``megatron_slmoe.moe.dispatcher``.
+sizes reach the host once per exchange. Implements ``megatron_slmoe.moe.dispatch.base``.
 
 Flat mode (one exchange over the expert-parallel group):
   permute the (token, expert) pairs by destination expert (stable: token order within an expert),
@@ -27,7 +26,6 @@ routing map selects, including nothing: ranks and experts with zero rows are ord
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -35,7 +33,9 @@ from typing import Optional
 import torch
 from megatron.core.tensor_parallel.mappings import all_to_all
 
-from megatron_slmoe.moe.traffic import TrafficAccumulator
+from megatron_slmoe.launch.topology import NodeLayout, node_size_from_env
+from megatron_slmoe.moe.dispatch.base import Dispatched, TokenDispatcher
+from megatron_slmoe.moe.dispatch.traffic import TrafficAccumulator
 
 
 def _exchange(group, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]):
@@ -116,43 +116,7 @@ class _HierState:
     num_tokens: int
 
 
-@dataclass
-class NodeLayout:
-    """Where the ranks of one expert-parallel group sit: ``nodes`` x ``per_node`` ranks."""
-
-    nodes: int
-    per_node: int
-    node_of_ep_rank: list[int]
-    slot_of_ep_rank: list[int]
-
-    @staticmethod
-    def from_ranks(ep_ranks: list[int], node_size: int) -> "NodeLayout":
-        node_ids = [r // node_size for r in ep_ranks]
-        distinct = sorted(set(node_ids))
-        members = {n: [i for i, m in enumerate(node_ids) if m == n] for n in distinct}
-        per_node = {len(v) for v in members.values()}
-        if len(per_node) != 1:
-            raise ValueError(f"expert-parallel group {ep_ranks} spans nodes unevenly "
-                             f"(node size {node_size}); hierarchical all-to-all needs the same "
-                             "number of its ranks on every node")
-        node_of, slot_of = [0] * len(ep_ranks), [0] * len(ep_ranks)
-        for n_index, n in enumerate(distinct):
-            for slot, ep_rank in enumerate(members[n]):
-                node_of[ep_rank], slot_of[ep_rank] = n_index, slot
-        return NodeLayout(len(distinct), per_node.pop(), node_of, slot_of)
-
-
-def node_size_from_env(explicit: Optional[int] = None) -> int:
-    """Ranks per node: the flag if given, else the launcher's LOCAL_WORLD_SIZE, else 1 node."""
-    if explicit:
-        return explicit
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    if value:
-        return int(value)
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-class AllToAllDispatcher:
+class AllToAllDispatcher(TokenDispatcher):
     def __init__(self, num_experts: int, local_expert_indices: list[int], ep_group, *,
                  hierarchical: bool = False, node_size: Optional[int] = None,
                  timeout: Optional[timedelta] = None) -> None:
@@ -172,7 +136,6 @@ class AllToAllDispatcher:
         self.inter_group = self.intra_group = None
         if self.hierarchical:
             self.inter_group, self.intra_group = _node_groups(ep_ranks, self.node_size, timeout)
-        self._state = None
 
     # -- flat ------------------------------------------------------------------------------------
 
@@ -191,7 +154,8 @@ class AllToAllDispatcher:
         return _FlatPlan(token_R, expert_R, send_counts, recv_counts, regroup_R,
                          recv_counts_DE.sum(dim=0).cpu())
 
-    def dispatch(self, x_TL: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor):
+    def dispatch(self, x_TL: torch.Tensor, probs_TE: torch.Tensor,
+                 routing_map_TE: torch.Tensor) -> Dispatched:
         if self.hierarchical:
             return self._dispatch_hierarchical(x_TL, probs_TE, routing_map_TE)
         plan = self._plan_flat(routing_map_TE)
@@ -200,14 +164,13 @@ class AllToAllDispatcher:
         probs_R = _exchange(self.ep_group, probs_TE[plan.token_R, plan.expert_R].unsqueeze(-1),
                             plan.send_counts, plan.recv_counts).squeeze(-1)
         self._account_flat(plan.send_counts, x_TL)
-        self._state = (plan, x_TL.shape[0])
-        return rows_RL[plan.regroup_R], plan.tokens_per_expert_E, probs_R[plan.regroup_R]
+        return Dispatched(rows_RL[plan.regroup_R], plan.tokens_per_expert_E,
+                          probs_R[plan.regroup_R], plan=(plan, x_TL.shape[0]))
 
-    def combine(self, out_RL: torch.Tensor) -> torch.Tensor:
-        state, self._state = self._state, None
-        if isinstance(state, _HierState):
-            return self._combine_hierarchical(out_RL, state)
-        plan, num_tokens = state
+    def combine(self, out_RL: torch.Tensor, plan) -> torch.Tensor:
+        if isinstance(plan, _HierState):
+            return self._combine_hierarchical(out_RL, plan)
+        plan, num_tokens = plan
         back_RL = torch.empty_like(out_RL).index_copy(0, plan.regroup_R, out_RL)
         back_RL = _exchange(self.ep_group, back_RL, plan.recv_counts, plan.send_counts)
         self._account_flat(plan.recv_counts, out_RL)
@@ -224,6 +187,8 @@ class AllToAllDispatcher:
         """Flat dispatch -> experts -> combine over ``chunks`` slices of the tokens, with the
         exchanges of one slice in flight (asynchronous all-to-all) while the experts compute
         another. Forward only overlaps; the backward runs the reverse exchanges in turn."""
+        if chunks == 1 or not self.supports_overlap:
+            return super().dispatch_compute_combine(x_TL, probs_TE, routing_map_TE, experts, 1)
         bounds = torch.linspace(0, x_TL.shape[0], chunks + 1).long().tolist()
         slices = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
@@ -267,7 +232,7 @@ class AllToAllDispatcher:
         # Experts of node m, in slot order: a [nodes, per_node * n_local] table of expert ids.
         node_experts = torch.empty(nodes, per_node * n_local, dtype=torch.long)
         for ep_rank in range(self.ep_size):
-            m, s = layout.node_of_ep_rank[ep_rank], layout.slot_of_ep_rank[ep_rank]
+            m, s = layout.node_of_group_rank[ep_rank], layout.slot_of_group_rank[ep_rank]
             node_experts[m, s * n_local:(s + 1) * n_local] = torch.arange(
                 ep_rank * n_local, (ep_rank + 1) * n_local)
         node_experts = node_experts.to(routing_map_TE.device)
@@ -300,9 +265,10 @@ class AllToAllDispatcher:
         tokens_per_expert_E = torch.bincount(expert_R, minlength=n_local).cpu()
         self.traffic.add(inter=_off_self(a_send, self.inter_group) * x_TL.shape[-1] * x_TL.element_size(),
                          intra=_off_self(b_send, self.intra_group) * x_TL.shape[-1] * x_TL.element_size())
-        self._state = _HierState(token_A, a_send, a_recv, row_B, b_send, b_recv, num_A, row_R,
-                                 rows_B.shape[0], T)
-        return rows_B.index_select(0, row_R), tokens_per_expert_E, probs_B[row_R, expert_R]
+        plan = _HierState(token_A, a_send, a_recv, row_B, b_send, b_recv, num_A, row_R,
+                          rows_B.shape[0], T)
+        return Dispatched(rows_B.index_select(0, row_R), tokens_per_expert_E,
+                          probs_B[row_R, expert_R], plan)
 
     def _combine_hierarchical(self, out_RL, st: _HierState):
         width = out_RL.shape[-1]
@@ -319,7 +285,7 @@ class AllToAllDispatcher:
 
     def _account_flat(self, send_counts: list[int], rows: torch.Tensor) -> None:
         row_bytes = rows.shape[-1] * rows.element_size()
-        node_of = self.layout.node_of_ep_rank
+        node_of = self.layout.node_of_group_rank
         me = node_of[self.ep_rank]
         intra = sum(n for r, n in enumerate(send_counts) if r != self.ep_rank and node_of[r] == me)
         inter = sum(n for r, n in enumerate(send_counts) if node_of[r] != me)
@@ -344,7 +310,7 @@ def _node_groups(ep_ranks: list[int], node_size: int, timeout):
     inter_group = intra_group = None
     for group_ranks in sorted({tuple(g) for g in everyone}):
         layout = NodeLayout.from_ranks(list(group_ranks), node_size)
-        by_node = [[r for i, r in enumerate(group_ranks) if layout.node_of_ep_rank[i] == m]
+        by_node = [[r for i, r in enumerate(group_ranks) if layout.node_of_group_rank[i] == m]
                    for m in range(layout.nodes)]
         for node_ranks in by_node:
             group = torch.distributed.new_group(node_ranks, **kwargs)
