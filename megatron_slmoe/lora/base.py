@@ -267,8 +267,3 @@ class LoRALinearMixin(LoRAModule):
 
 def is_lora_module(module: torch.nn.Module) -> bool:
     return isinstance(module, LoRAModule)
-
-
-def lora_parameter_ids(modules) -> set[int]:
-    return {id(p) for m in modules for p in m.lora_parameters()}
-
