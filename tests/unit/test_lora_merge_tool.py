@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_lora_layers import MODEL_YAML, build_model, logits, lora_config, randomize
+from tests.helpers.lora_models import MODEL_YAML, build_model, logits, lora_config, randomize
 
 pytestmark = pytest.mark.usefixtures("megatron_single_rank")
 
