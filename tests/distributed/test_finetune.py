@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
+from tests.helpers.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size", "8",

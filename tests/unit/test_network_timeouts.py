@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import free_port
+from tests.helpers.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # One rank, the way the entry point sets up (model_setup.init_distributed), then every group's timeout.

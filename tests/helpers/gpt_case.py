@@ -1,6 +1,6 @@
 """A tiny Megatron-Core GPTModel with an MoE layer, run through Megatron's own machinery.
 
-Every function here runs inside a rank spawned by ``harness.run_ranks`` and reads the parallel
+Every function here runs inside a rank spawned by ``ranks.run_ranks`` and reads the parallel
 layout from Megatron's parallel_state. Weights and gradients move between layouts as Megatron
 dist checkpoints, so a single-rank reference and a parallel run can be compared shard by shard.
 """
