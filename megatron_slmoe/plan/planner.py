@@ -92,10 +92,6 @@ class LayoutVerdict:
         return data
 
 
-def usable_bytes(device: DeviceSpec) -> int:
-    return device.memory_bytes
-
-
 def evaluate(shape: ModelShape, settings: RunSettings, device: DeviceSpec) -> LayoutVerdict:
     """Whether ``settings`` fits ``device`` for ``shape``, with the memory and time estimates."""
     settings.validate()
