@@ -263,8 +263,10 @@ class AllToAllDispatcher(TokenDispatcher):
         # Expand into (row, local expert) pairs, local-expert-major.
         expert_R, row_R = _grouped_order(mask_B)
         tokens_per_expert_E = torch.bincount(expert_R, minlength=n_local).cpu()
-        self.traffic.add(inter=_off_self(a_send, self.inter_group) * x_TL.shape[-1] * x_TL.element_size(),
-                         intra=_off_self(b_send, self.intra_group) * x_TL.shape[-1] * x_TL.element_size())
+        intra, inter = hierarchical_traffic_rows(a_send, _rank_in(self.inter_group), b_send,
+                                                 _rank_in(self.intra_group))
+        row_bytes = x_TL.shape[-1] * x_TL.element_size()
+        self.traffic.add(intra=intra * row_bytes, inter=inter * row_bytes)
         plan = _HierState(token_A, a_send, a_recv, row_B, b_send, b_recv, num_A, row_R,
                           rows_B.shape[0], T)
         return Dispatched(rows_B.index_select(0, row_R), tokens_per_expert_E,
@@ -277,25 +279,47 @@ class AllToAllDispatcher(TokenDispatcher):
         y_A = out_RL.new_zeros(st.num_A, width).index_add(0, st.row_B, y_B)
         y_A = _exchange(self.inter_group, y_A, st.a_recv, st.a_send)
         # Combine sends back what dispatch received.
-        self.traffic.add(inter=_off_self(st.a_recv, self.inter_group) * width * out_RL.element_size(),
-                         intra=_off_self(st.b_recv, self.intra_group) * width * out_RL.element_size())
+        intra, inter = hierarchical_traffic_rows(st.a_recv, _rank_in(self.inter_group), st.b_recv,
+                                                 _rank_in(self.intra_group))
+        row_bytes = width * out_RL.element_size()
+        self.traffic.add(intra=intra * row_bytes, inter=inter * row_bytes)
         return out_RL.new_zeros(st.num_tokens, width).index_add(0, st.token_A, y_A)
 
     # -- accounting ------------------------------------------------------------------------------
 
     def _account_flat(self, send_counts: list[int], rows: torch.Tensor) -> None:
+        intra, inter = flat_traffic_rows(send_counts, self.layout.node_of_group_rank,
+                                         self.ep_rank)
         row_bytes = rows.shape[-1] * rows.element_size()
-        node_of = self.layout.node_of_group_rank
-        me = node_of[self.ep_rank]
-        intra = sum(n for r, n in enumerate(send_counts) if r != self.ep_rank and node_of[r] == me)
-        inter = sum(n for r, n in enumerate(send_counts) if node_of[r] != me)
         self.traffic.add(intra=intra * row_bytes, inter=inter * row_bytes)
 
 
-def _off_self(send_counts: list[int], group) -> int:
-    """Rows sent to other ranks of the group (what stays on this rank costs no network)."""
-    me = group.rank() if group is not None else 0
-    return sum(n for r, n in enumerate(send_counts) if r != me)
+# The byte accounting of both modes, as pure functions of the split sizes so that the layout
+# planner (megatron_slmoe.plan) prices an exchange by the same rules: a row costs its width times
+# its element size, and what a rank sends to itself costs no network. Counts may be expected
+# (fractional) rows.
+
+
+def flat_traffic_rows(send_counts, node_of_ep_rank: list[int], ep_rank: int):
+    """(rows to other ranks of this node, rows to other nodes) of one flat exchange;
+    ``send_counts[r]`` rows go to expert-parallel rank r."""
+    me = node_of_ep_rank[ep_rank]
+    intra = sum(n for r, n in enumerate(send_counts) if r != ep_rank and node_of_ep_rank[r] == me)
+    inter = sum(n for r, n in enumerate(send_counts) if node_of_ep_rank[r] != me)
+    return intra, inter
+
+
+def hierarchical_traffic_rows(node_send_counts, node_index: int, slot_send_counts, slot: int):
+    """(intra-node rows, inter-node rows) of one hierarchical exchange: ``node_send_counts[m]``
+    rows cross to the same slot of node m (hop A), ``slot_send_counts[s]`` rows go to slot s of
+    this node (hop B)."""
+    inter = sum(n for m, n in enumerate(node_send_counts) if m != node_index)
+    intra = sum(n for s, n in enumerate(slot_send_counts) if s != slot)
+    return intra, inter
+
+
+def _rank_in(group) -> int:
+    return group.rank() if group is not None else 0
 
 
 def _node_groups(ep_ranks: list[int], node_size: int, timeout):
