@@ -73,10 +73,19 @@ class ParallelConfig(Section):
     recompute_modules: Optional[list[str]] = setting(
         None, flag="--recompute-modules",
         help="with selective recomputation: which modules, e.g. moe core_attn")
+    memory_check: Literal["refuse", "warn", "off"] = setting(
+        "refuse", flag="--memory-check",
+        help="before starting, price this layout with the memory planner (megatron_slmoe.plan) "
+             "and refuse (or warn about) one predicted not to fit")
+    device_memory_gb: Optional[float] = setting(
+        None, flag="--device-memory-gb",
+        help="memory of one accelerator for the memory check (default: the device's own; "
+             "without an accelerator the check needs this)")
 
     def validate(self) -> None:
         self.check_positive("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                            "expert_model_parallel_size", "distributed_timeout_minutes")
+                            "expert_model_parallel_size", "distributed_timeout_minutes",
+                            "device_memory_gb")
         if self.recompute_modules and self.recompute_granularity != "selective":
             raise ConfigError("--recompute-modules needs --recompute-granularity selective")
 

@@ -12,15 +12,10 @@ from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.tokenizer import load_tokenizer
 
 
-def build_sources(data: DataConfig, schedule: ScheduleConfig, model_config, output_dir: str):
-    """(train, valid, tokenizer). Collective: every rank calls it."""
+def build_sources(data: DataConfig, schedule: ScheduleConfig, output_dir: str):
+    """(train, valid, tokenizer). Collective: every rank calls it. The tokenizer and sequence
+    length were checked against the model before the run started (training.inputs)."""
     tokenizer = load_tokenizer(data.tokenizer or asset_path("tokenizer.json"))
-    if tokenizer.vocab_size > model_config.vocab_size:
-        raise DataError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                        f"vocab_size {model_config.vocab_size}")
-    if data.seq_length > model_config.max_sequence_length:
-        raise DataError(f"--seq-length {data.seq_length} exceeds the model's "
-                        f"max_sequence_length {model_config.max_sequence_length}")
     if data.format == "instruction":
         from megatron_slmoe.data.instruction import InstructionDataset
 

@@ -47,7 +47,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if command.print_config:
             print(to_yaml(command.run), end="")
             return 0
-        check_inputs(command.run)
+        import megatron_slmoe
+
+        check_inputs(command.run, int(os.environ.get("WORLD_SIZE", "1")), megatron_slmoe.PLATFORM)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -104,8 +106,8 @@ class Trainer:
 
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.train, self.valid, self.tokenizer = build_sources(
-            run.data, run.schedule, self.model_config, self.output_dir)
+        self.train, self.valid, self.tokenizer = build_sources(run.data, run.schedule,
+                                                               self.output_dir)
         self._num_microbatches = run.schedule.global_batch_size // (
             run.schedule.micro_batch_size * self.dp_size)
         self.writer = None
@@ -201,6 +203,27 @@ class Trainer:
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self) -> int:
+        """The whole run. An out-of-memory error is reported with the memory planner's breakdown
+        and the next step of the OOM checklist; checkpoints already written stay intact."""
+        try:
+            return self._run()
+        except Exception as err:  # noqa: BLE001  (only out-of-memory is handled here)
+            if not _is_out_of_memory(err):
+                raise
+            log.error("[finetune] rank %d: %s", torch.distributed.get_rank(), self._oom_report(err))
+            return 1
+
+    def _oom_report(self, err: BaseException) -> str:
+        from megatron_slmoe.plan.check import format_oom_report
+        from megatron_slmoe.training.inputs import memory_check
+
+        check = memory_check(self.run_config, torch.distributed.get_world_size(), self.platform,
+                             self.model_config)
+        if check is None:
+            return f"out of memory: {str(err).splitlines()[0]} (no device memory to plan against)"
+        return format_oom_report(check, err)
+
+    def _run(self) -> int:
         from megatron_slmoe.training import checkpointing
 
         self.setup()
@@ -332,6 +355,12 @@ class Trainer:
     def _info(self, message: str) -> None:
         if self.rank == 0:
             log.info(message)
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    # CUDA raises torch.OutOfMemoryError; torch_npu a RuntimeError saying so.
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
 
 
 def _peak_memory(platform) -> int:
