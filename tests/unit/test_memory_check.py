@@ -8,7 +8,8 @@ import pytest
 import torch
 
 FLAGSHIP = ["--validate-only", "--model-config", "flagship_2p8t", "--seq-length", "4096",
-            "--global-batch-size", "512", "--micro-batch-size", "1", "--device-memory-gb", "64"]
+            "--global-batch-size", "512", "--micro-batch-size", "1", "--device-memory-gb", "64",
+            "--bf16"]
 BAD_LAYOUT = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "1",
               "--expert-model-parallel-size", "8"]
 
@@ -44,7 +45,7 @@ def test_a_layout_that_fits_passes(world_512):
 
     fitting = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8",
                "--expert-model-parallel-size", "64", "--recompute-granularity", "selective",
-               "--recompute-modules", "core_attn", "moe"]
+               "--recompute-modules", "core_attn"]  # the planner's best for 512 x 64 GiB
     assert main([*FLAGSHIP, *fitting]) == 0
 
 
