@@ -100,8 +100,9 @@ void run_launches(const std::vector<LaunchPlan>& plans, const at::Tensor& like, 
   for (const LaunchPlan& plan : plans) {
     if (plan.blockDim == 0) continue;
     ws_bytes = std::max(ws_bytes, plan.workspaceBytes);
+    // Pinned staging makes the copy to the device asynchronous (and is only possible for one).
     auto host = at::empty({static_cast<int64_t>(plan.tiling.size())},
-                          at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+                          at::TensorOptions().dtype(at::kByte).pinned_memory(device.type() != at::kCPU));
     std::memcpy(host.data_ptr(), plan.tiling.data(), plan.tiling.size());
     tilings.push_back(host.to(device, /*non_blocking=*/true));
     blocks.push_back(plan.blockDim);

@@ -178,6 +178,7 @@ struct Launch {
 
 Launch* g_launch = nullptr;
 std::map<uintptr_t, GmRegion> g_gm;
+bool g_gm_unregistered_ok = false;
 
 Core& cur() {
   if (g_launch == nullptr || g_launch->cur < 0) fail("AscendC device API called outside an emulated launch");
@@ -461,6 +462,8 @@ void gm_register(const void* p, size_t bytes, bool writable, const char* name) {
 
 void gm_clear() { g_gm.clear(); }
 
+void gm_allow_unregistered(bool allow) { g_gm_unregistered_ok = allow; }
+
 void launch_mix(uint32_t block_dim, const std::function<void()>& kernel) {
   if (block_dim == 0) return;
   if (g_launch != nullptr) fail("nested launch");
@@ -657,7 +660,11 @@ void op_local(const TensorRef& t, uint32_t offset, uint32_t bytes, bool write) {
 void op_gm(const void* p, uint64_t bytes, bool write) {
   Core& c = cur();
   if (bytes == 0) return;
+  if (reinterpret_cast<uintptr_t>(p) < 65536) {
+    fail("global memory access at %p, near address 0: a tensor the launch was not given", p);
+  }
   GmRegion* r = find_gm(p, bytes);
+  if (r == nullptr && g_gm_unregistered_ok) return;
   if (r == nullptr) {
     fail("global memory [%p, +%llu bytes) is outside every buffer of the launch", p,
          static_cast<unsigned long long>(bytes));

@@ -4,11 +4,14 @@
 #   1. tiling_test   the host planner's unit tests (../lora_tiling.cpp);
 #   2. api_selftest  the emulation against CANN's documented Mmad data flow (independent of the kernel);
 #   3. emu_test      the emulated kernel against an fp64 reference (--quick: fewer large cases);
-#   4. mutants       (unless --no-mutants) every injected bug below, each of which must make
+#   4. npu_binding_test  (when SLMOE_TORCH_INCLUDES is set) the torch_npu binding on CPU tensors with the
+#                    emulated kernel and stand-ins for its torch_npu / ACL calls, against the ATen math;
+#   5. mutants       (unless --no-mutants) every injected bug below, each of which must make
 #                    emu_test fail; one that passes is reported and fails the run.
 #
 #   bash csrc/ascendc/emu/run.sh [--quick] [--no-mutants]
-# Environment: CXX (default g++), JOBS (parallel compiles, default 2).
+# Environment: CXX (default g++), JOBS (parallel compiles, default 2); for step 4 SLMOE_TORCH_INCLUDES
+# (torch's include directories, space-separated), SLMOE_TORCH_LIBDIR, SLMOE_TORCH_CXX11_ABI (0/1).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/.." && pwd)
@@ -60,11 +63,22 @@ trap 'rm -rf "$out"' EXIT
 flags=(-std=c++17 -O2 -Wall -Wextra -Werror -DSLMOE_ASCEND_EMU -I"$here/include" -I"$src" -include slmoe_mutant.h)
 sources=("$src/lora_expert_kernel.cpp" "$src/lora_tiling.cpp" "$here/ascendc_emu.cpp" "$here/emu_test.cpp"
          "$here/tiling_test.cpp" "$here/api_selftest.cpp")
+binding=0
+if [ -n "${SLMOE_TORCH_INCLUDES:-}" ]; then binding=1; fi
 pids=()
-for s in "${sources[@]}"; do
-    "$CXX" "${flags[@]}" -x c++ -c "$s" -o "$out/$(basename "$s" .cpp).o" &
+compile() {  # in the background, at most $jobs at a time
+    "$@" &
     pids+=($!)
     if [ ${#pids[@]} -ge "$jobs" ]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+}
+if [ "$binding" = 1 ]; then  # the slowest compile (torch's headers) first
+    torch_flags=(-std=c++20 -O1 -Wall -Wextra -Werror "-D_GLIBCXX_USE_CXX11_ABI=${SLMOE_TORCH_CXX11_ABI:-1}"
+                 -I"$src/.." -I"$here/stubs")
+    for inc in $SLMOE_TORCH_INCLUDES; do torch_flags+=(-isystem "$inc"); done
+    compile "$CXX" "${torch_flags[@]}" -c "$here/npu_binding_test.cpp" -o "$out/npu_binding_test.o"
+fi
+for s in "${sources[@]}"; do
+    compile "$CXX" "${flags[@]}" -x c++ -c "$s" -o "$out/$(basename "$s" .cpp).o"
 done
 for p in "${pids[@]}"; do wait "$p"; done
 "$CXX" "$out/tiling_test.o" "$out/lora_tiling.o" "$out/ascendc_emu.o" -o "$out/tiling_test"
@@ -74,6 +88,11 @@ for p in "${pids[@]}"; do wait "$p"; done
 "$out/tiling_test"
 "$out/api_selftest"
 "$out/emu_test" $quick
+if [ "$binding" = 1 ]; then
+    "$CXX" "$out/npu_binding_test.o" "$out/lora_expert_kernel.o" "$out/lora_tiling.o" "$out/ascendc_emu.o" \
+        -L"$SLMOE_TORCH_LIBDIR" -Wl,-rpath,"$SLMOE_TORCH_LIBDIR" -ltorch -ltorch_cpu -lc10 -o "$out/npu_binding_test"
+    "$out/npu_binding_test"
+fi
 
 if [ "$mutants" = 1 ]; then
     caught=0

@@ -112,9 +112,12 @@ int64_t block_num();
 int64_t sub_block_idx();
 int mutation();  // injected bug selected by $SLMOE_EMU_MUTATION (0: none)
 
-// Global memory the kernel may touch; writable buffers are race-checked.
+// Global memory the kernel may touch; writable buffers are race-checked. With
+// gm_allow_unregistered(true), addresses outside every registered buffer are accepted unchecked
+// (for callers that allocate their own outputs, such as the binding test).
 void gm_register(const void* p, size_t bytes, bool writable, const char* name);
 void gm_clear();
+void gm_allow_unregistered(bool allow);
 
 // TPipe / TQue / TBuf.
 void pipe_open();
