@@ -82,14 +82,13 @@ def test_setup_ascend_switch():
     # Forced on without CANN: one line naming what is missing.
     done = setup_py(SLMOE_BUILD_ASCEND="1", ASCEND_HOME_PATH="")
     assert done.returncode != 0 and "SLMOE_BUILD_ASCEND=1 but ASCEND_HOME_PATH is not set" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 def test_setup_without_cann_builds_as_before(tmp_path):
     # A directory that is not a CANN toolkit (no AscendC CMake support): the default stays off.
     done = setup_py(ASCEND_HOME_PATH=str(tmp_path))
     assert done.returncode == 0, done.stderr
-    done = setup_py(ASCEND_HOME_PATH=str(tmp_path), SLMOE_BUILD_ASCEND="1")
-    assert done.returncode != 0 and f"ASCEND_HOME_PATH={tmp_path} has no AscendC CMake support" in done.stderr
 
 
 def test_ops_import_and_fall_back_without_the_extension():
