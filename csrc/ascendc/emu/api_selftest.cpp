@@ -6,11 +6,19 @@
 // uses exactly those documented parameter rules; the emulation must then compute A * B. It also
 // checks the documented special cases: GEMV at M = 1 (L0A read as a plain vector), accumulation in
 // L0C across Mmads, and DataCopyPad's 32-byte row padding (dummy = the row's first element).
+// Then the emulation's own checks, each misuse in a forked child that must end with status 3 and
+// the expected message: double FreeTensor, EnQue past the depth, use before DeQue, a race between
+// pipes, a DataCopy length off the 32-byte grid, a TPipe past UB, a cross-core wait never answered.
 //
 //   api_selftest      exit 0 when every check passes
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernel_operator.h"
@@ -314,6 +322,96 @@ void check_rounding() {
   expect(ok, "half / bfloat16_t conversions round to nearest even (overflow, subnormals)");
 }
 
+// Runs `body` on the first vector unit of a one-block launch in a forked child; the child must end
+// with the emulation's status 3 and print `message`.
+void expect_caught(const char* what, const char* message, const std::function<void()>& body) {
+  int fds[2];
+  if (pipe(fds) != 0) std::abort();
+  std::fflush(stdout);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    dup2(fds[1], 2);
+    slmoe_emu::launch_mix(1, [&] {
+      KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
+      if (ASCEND_IS_AIV && GetSubBlockIdx() == 0) body();
+    });
+    std::_Exit(0);
+  }
+  close(fds[1]);
+  std::string err;
+  char buf[512];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof buf)) > 0;) err.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 3 && err.find(message) != std::string::npos;
+  expect(ok, (std::string("caught: ") + what).c_str());
+  if (!ok) std::printf("     child status %d, stderr: %s\n", status, err.c_str());
+}
+
+void check_misuse_is_caught() {
+  using Q = TQue<TPosition::VECIN, 1>;
+  static std::vector<float> gm(64, 1.0f);
+  slmoe_emu::gm_clear();
+  slmoe_emu::gm_register(gm.data(), gm.size() * 4, true, "gm");
+  GlobalTensor<float> g;
+  g.SetGlobalBuffer(gm.data());
+  expect_caught("double FreeTensor", "FreeTensor: tensor is not dequeued", [&] {
+    TPipe pipe;
+    Q q;
+    pipe.InitBuffer(q, 1, 256);
+    LocalTensor<float> t = q.AllocTensor<float>();
+    q.EnQue(t);
+    t = q.DeQue<float>();
+    q.FreeTensor(t);
+    q.FreeTensor(t);
+  });
+  expect_caught("EnQue past the depth", "more than the TQue depth 1", [&] {
+    TPipe pipe;
+    Q q;
+    pipe.InitBuffer(q, 2, 256);
+    LocalTensor<float> a = q.AllocTensor<float>();
+    LocalTensor<float> b = q.AllocTensor<float>();
+    q.EnQue(a);
+    q.EnQue(b);
+  });
+  expect_caught("use before DeQue", "use before DeQue", [&] {
+    TPipe pipe;
+    Q q;
+    pipe.InitBuffer(q, 1, 256);
+    LocalTensor<float> t = q.AllocTensor<float>();
+    DataCopy(t, g, 64);
+    q.EnQue(t);
+    Muls(t, t, 2.0f, 64);
+  });
+  expect_caught("MTE2 -> V race without a queue", "race (read after write)", [&] {
+    TPipe pipe;
+    TBuf<TPosition::VECCALC> b;
+    Q q;
+    pipe.InitBuffer(q, 1, 256);
+    pipe.InitBuffer(b, 256);
+    LocalTensor<float> t = q.AllocTensor<float>();
+    DataCopy(t, g, 64);  // MTE2
+    LocalTensor<float> u = b.Get<float>();
+    Muls(u, t, 2.0f, 64);  // V reads it with no EnQue/DeQue in between
+  });
+  expect_caught("DataCopy off the 32-byte grid", "not a multiple of 32 bytes", [&] {
+    TPipe pipe;
+    Q q;
+    pipe.InitBuffer(q, 1, 256);
+    LocalTensor<float> t = q.AllocTensor<float>();
+    DataCopy(t, g, 7);
+  });
+  expect_caught("TPipe past the unified buffer", "do not fit", [&] {
+    TPipe pipe;
+    Q q;
+    pipe.InitBuffer(q, 2, 100 * 1024);
+  });
+  expect_caught("cross-core wait never answered", "deadlock", [&] { CrossCoreWaitFlag<2, PIPE_MTE2>(3); });
+  slmoe_emu::gm_clear();
+}
+
 }  // namespace
 
 int main() {
@@ -322,6 +420,7 @@ int main() {
   check_gemv();
   check_datacopypad();
   check_rounding();
+  check_misuse_is_caught();
   slmoe_emu::gm_clear();
   if (g_failures) {
     std::printf("api_selftest: %d check(s) failed\n", g_failures);
