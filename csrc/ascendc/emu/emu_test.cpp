@@ -1,6 +1,6 @@
 // Runs the AscendC kernel (../lora_expert_kernel.cpp, built against the emulation in include/) through
 // the planner and launcher the torch_npu binding uses, and checks h, y, dx, dA, dB against an fp64
-// loop reference over the shapes of tests/unit/test_lora_expert_cpu.py (ranks 4-32, uneven and empty
+// loop reference over the shapes of tests/kernels/test_lora_expert_op.py (ranks 4-32, uneven and empty
 // groups, d not multiples of 16) and more: dropout mask, partial output masks, no rows, rank 0,
 // one-row experts (the cube's GEMV mode), a dominant expert, 300 experts, multi-tile sizes, and
 // "tiny" hardware budgets that force many K chunks, K steps, column tiles and epilogue chunks.
@@ -274,7 +274,7 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   std::mt19937_64 rng(1234);
   std::vector<Case> cases;
-  const std::vector<int64_t> uneven{0, 5, 0, 7, 3, 0};  // tests/unit/test_lora_expert_cpu.py: COUNTS, D_IN, D_OUT
+  const std::vector<int64_t> uneven{0, 5, 0, 7, 3, 0};  // tests/kernels/test_lora_expert_op.py: COUNTS, D_IN, D_OUT
   for (DType t : {DType::kBFloat16, DType::kFloat16}) {
     for (int64_t r : {4, 8, 16, 32}) {
       cases.push_back({"uneven_r" + std::to_string(r), t, uneven, 13, 37, r, false, true, true, true, a2_caps(4)});
