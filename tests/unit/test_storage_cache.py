@@ -1,0 +1,308 @@
+"""The node cache and the store against a real S3 server (moto's server mode on 127.0.0.1, the
+real multi-storage-client / boto3 stack talking HTTP to it), with requests counted on the server.
+
+The bytes every reader gets are compared with the bytes uploaded; request counts come from the
+server's side, not from the client's own bookkeeping.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_slmoe.storage import Storage, StorageConfig, StorageError, preflight_or_exit
+from megatron_slmoe.storage.cache import NodeCache
+from megatron_slmoe.storage.errors import CacheError, ObjectNotFoundError
+from megatron_slmoe.storage.transfer import MANIFEST, OutputMirror, download_tree, upload_tree
+from megatron_slmoe.storage.urls import parse_url
+from tests.helpers.s3_server import s3_server  # noqa: F401  (the fixture)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch, request):  # noqa: F811
+    """A fresh bucket, and this process's environment pointed at the server."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    name = "t-" + request.node.name.lower().replace("_", "-")[:50].strip("-")
+    s3_server.client().create_bucket(Bucket=name)
+    s3_server.reset_counts()
+    s3_server.throttle(None)
+    return name
+
+
+def _put(server, bucket, objects: dict[str, bytes]) -> None:
+    client = server.client()
+    for key, data in objects.items():
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+
+
+def _objects(count: int, size: int, prefix: str = "shards/") -> dict[str, bytes]:
+    return {f"{prefix}{i:03d}.bin": os.urandom(size + i) for i in range(count)}
+
+
+def _storage(cache_dir, **settings) -> Storage:
+    settings.setdefault("retry_timeout_s", 60.0)
+    return Storage(StorageConfig(cache_dir=str(cache_dir), **settings))
+
+
+def _worker(spec: dict, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.helpers.storage_worker", json.dumps(spec)],
+                            cwd=REPO, env={**os.environ, **env, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- one download per node ------------------------------------------------------------------------
+
+
+def test_two_ranks_on_a_node_download_each_object_once(s3_server, bucket, tmp_path):  # noqa: F811
+    objects = _objects(6, 64 * 1024)
+    _put(s3_server, bucket, objects)
+    s3_server.reset_counts()
+    urls = [f"s3://{bucket}/{key}" for key in objects]
+    spec = {"cache_dir": str(tmp_path / "nvme"), "urls": urls, "start_at": time.time() + 2.0}
+    ranks = [_worker(spec, {**s3_server.env(), "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    results = []
+    for proc in ranks:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+
+    for key, data in objects.items():
+        assert s3_server.requests("GET", f"/{bucket}/{key}") == 1, key
+        for result in results:
+            assert result["sha256"][f"s3://{bucket}/{key}"] == _sha(data)
+    downloads = [r["stats"]["downloads"] for r in results]
+    assert sum(downloads) == len(objects)  # split between the ranks, whoever came first
+    assert sum(r["stats"]["hits"] for r in results) == len(objects)
+
+
+# --- warm restarts, changed objects, damaged entries -----------------------------------------------
+
+
+def test_warm_cache_is_reused_across_restarts_and_a_changed_object_is_fetched_again(
+        s3_server, bucket, tmp_path):  # noqa: F811
+    objects = _objects(3, 10_000)
+    _put(s3_server, bucket, objects)
+    urls = [f"s3://{bucket}/{key}" for key in objects]
+    first = _storage(tmp_path, cache_revalidate_s=0)
+    paths = first.local_files(urls)
+    assert [Path(p).read_bytes() for p in paths] == list(objects.values())
+    s3_server.reset_counts()
+
+    # A restart (a new process's cache object) with a check on every open: HEADs, no GETs.
+    restarted = _storage(tmp_path, cache_revalidate_s=0)
+    assert restarted.local_files(urls) == paths
+    assert s3_server.requests("GET") == 0 and s3_server.requests("HEAD") == len(urls)
+    assert restarted.cache.stats.revalidations == len(urls)
+
+    # Within the revalidation window another process trusts the node's check: no request at all.
+    s3_server.reset_counts()
+    assert _storage(tmp_path, cache_revalidate_s=3600).local_files(urls) == paths
+    assert s3_server.requests() == 0
+
+    # The object changes on the store (same size): the next check sees the ETag and refetches.
+    key = next(iter(objects))
+    changed = os.urandom(len(objects[key]))
+    _put(s3_server, bucket, {key: changed})
+    s3_server.reset_counts()
+    path = _storage(tmp_path, cache_revalidate_s=0).local_file(f"s3://{bucket}/{key}")
+    assert Path(path).read_bytes() == changed
+    assert s3_server.requests("GET", f"/{bucket}/{key}") == 1
+
+
+def test_damaged_entry_is_never_used(s3_server, bucket, tmp_path):  # noqa: F811
+    key, data = "one.bin", os.urandom(50_000)
+    _put(s3_server, bucket, {key: data})
+    url = f"s3://{bucket}/{key}"
+    path = Path(_storage(tmp_path).local_file(url))
+    os.chmod(path, 0o644)
+    path.write_bytes(data[:1000])  # truncated behind the cache's back
+    s3_server.reset_counts()
+    assert Path(_storage(tmp_path).local_file(url)).read_bytes() == data
+    assert s3_server.requests("GET", f"/{bucket}/{key}") == 1
+
+
+# --- size bound -----------------------------------------------------------------------------------
+
+
+def test_cache_stays_within_its_bound_evicting_least_recently_used(s3_server, bucket, tmp_path):  # noqa: F811
+    size = 100_000
+    objects = {f"lru/{name}.bin": os.urandom(size) for name in "abcd"}
+    _put(s3_server, bucket, objects)
+    url = {name: f"s3://{bucket}/lru/{name}.bin" for name in "abcd"}
+    cache = _storage(tmp_path, cache_max_gb=3.5 * size / 2**30, cache_revalidate_s=3600).cache
+    for name in "abc":
+        cache.fetch(url[name])
+        time.sleep(0.05)  # distinct last-use times
+    cache.fetch(url["a"])  # a is now the most recently used; b the least
+    cache.fetch(url["d"])
+    assert cache.used_bytes() <= cache.max_bytes
+    present = {name for name in "abcd" if os.path.exists(cache.local_path(url[name]))}
+    assert present == {"a", "c", "d"}
+    assert cache.stats.evictions == 1
+    with pytest.raises(CacheError, match="--cache-max-gb"):
+        _storage(tmp_path / "small", cache_max_gb=size / 2 / 2**30).local_file(url["a"])
+
+
+# --- faults ---------------------------------------------------------------------------------------
+
+
+def test_reads_survive_the_server_going_down_mid_transfer(s3_server, bucket, tmp_path):  # noqa: F811
+    objects = _objects(5, 200_000)
+    _put(s3_server, bucket, objects)
+    keys = list(objects)
+    s3_server.reset_counts()
+    s3_server.outage_on("GET", f"/{bucket}/{keys[2]}", seconds=3.0)
+    storage = _storage(tmp_path / "nvme", prefetch_shards=1, retry_backoff_s=0.2)
+    started = time.monotonic()
+    with storage.prefetcher([f"s3://{bucket}/{k}" for k in keys]) as shards:
+        got = [Path(path).read_bytes() for path in shards]
+    assert got == list(objects.values())
+    assert s3_server.outages == 1 and time.monotonic() - started >= 3.0
+    assert s3_server.requests("GET", f"/{bucket}/{keys[2]}") == 2  # cut off once, then complete
+
+
+def test_kill_during_download_leaves_nothing_trusted(s3_server, bucket, tmp_path):  # noqa: F811
+    key, data = "big.bin", os.urandom(2 * 1024 * 1024)
+    _put(s3_server, bucket, {key: data})
+    url = f"s3://{bucket}/{key}"
+    cache_dir = tmp_path / "nvme"
+    s3_server.throttle(512 * 1024, path_contains=key)  # ~4 s for the whole object
+    proc = _worker({"cache_dir": str(cache_dir), "urls": [url]}, s3_server.env())
+    partial = None
+    deadline = time.time() + 60
+    while time.time() < deadline and partial is None:  # kill once the body is flowing
+        if s3_server.get_bytes(f"/{bucket}/{key}") > 0:
+            partial = next((cache_dir / "tmp").glob("*.part"), None)
+        time.sleep(0.05)
+    assert partial is not None, "the download never started"
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert s3_server.get_bytes(f"/{bucket}/{key}") < len(data)  # killed mid-transfer
+    s3_server.throttle(None)
+
+    cache = NodeCache(_storage(cache_dir).store, str(cache_dir), 1 << 30)
+    assert not os.path.exists(cache.local_path(url))  # nothing in place, let alone trusted
+    assert partial.exists()  # the orphan is there until the next reservation cleans it up
+    s3_server.reset_counts()
+    assert Path(cache.fetch(url)).read_bytes() == data
+    assert s3_server.requests("GET", f"/{bucket}/{key}") == 1
+    assert not partial.exists()
+
+
+# --- start-up checks ------------------------------------------------------------------------------
+
+
+def _preflight_line(capsys, inputs, outputs=(), **settings) -> str:
+    with pytest.raises(SystemExit) as info:
+        preflight_or_exit(inputs, outputs, StorageConfig(preflight_timeout_s=1.0, **settings))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_preflight_names_the_url_in_one_line_without_secrets(s3_server, bucket, monkeypatch,
+                                                             capsys):  # noqa: F811
+    _put(s3_server, bucket, {"data/train.jsonl": b"{}\n"})
+    good = f"s3://{bucket}/data/train.jsonl"
+    secret = s3_server.secret_access_key
+    preflight_or_exit([good, f"s3://{bucket}/data/"], [f"s3://{bucket}/runs/x/"],
+                      StorageConfig(preflight_timeout_s=1.0))  # all fine: returns
+
+    cases = [
+        ({"AWS_SECRET_ACCESS_KEY": "not-the-secret-0123"}, good, "SignatureDoesNotMatch"),
+        ({"AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000"}, good, "InvalidAccessKeyId"),
+        ({}, "s3://no-such-bucket-x/data/train.jsonl", "bucket 'no-such-bucket-x' does not exist"),
+        ({}, f"s3://{bucket}/data/missing.jsonl", "no such object"),
+        ({"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, good, "cannot connect to http://127.0.0.1:9"),
+    ]
+    for env, url, reason in cases:
+        with monkeypatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            line = _preflight_line(capsys, [url])
+        assert url in line and reason in line, line
+        assert secret not in line and s3_server.access_key_id not in line
+        assert "not-the-secret-0123" not in line
+
+
+# --- outputs --------------------------------------------------------------------------------------
+
+
+def _checkpoint(root: Path, iteration: int) -> Path:
+    """A directory shaped like training/checkpointing.py's, with its manifest."""
+    from megatron_slmoe.storage.transfer import inventory
+
+    directory = root / f"iter_{iteration:07d}"
+    (directory / "dist").mkdir(parents=True)
+    (directory / "dist" / "shard_0.distcp").write_bytes(os.urandom(30_000))
+    (directory / "trainer_state.json").write_text(json.dumps({"iteration": iteration}))
+    (directory / MANIFEST).write_text(json.dumps({"iteration": iteration,
+                                                  "files": inventory(str(directory))}))
+    return directory
+
+
+def test_outputs_reach_the_store_complete_or_not_at_all(s3_server, bucket, tmp_path):  # noqa: F811
+    storage = _storage(tmp_path / "nvme", output_url=f"s3://{bucket}/run")
+    mirror = storage.output_mirror(keep_last=2)
+    local = tmp_path / "checkpoints"
+    for iteration in (5, 10, 15):
+        mirror.submit_checkpoint(str(_checkpoint(local, iteration)))
+    mirror.wait()
+    latest = storage.store.get_bytes(parse_url(f"s3://{bucket}/run/checkpoints/latest"))
+    assert latest == b"iter_0000015"
+    assert mirror.stored_checkpoints() == ["iter_0000010", "iter_0000015"]  # keep_last=2
+
+    # The manifest went up after every file it lists, and latest after the manifest.
+    puts = [path for method, path in s3_server.log if method == "PUT" and "iter_0000015" in path
+            or path.endswith("/latest") and method == "PUT"]
+    assert puts[-2].endswith(f"iter_0000015/{MANIFEST}") and puts[-1].endswith("/latest")
+
+    # Resume elsewhere: the newest stored checkpoint comes back byte for byte.
+    restored = mirror.restore_checkpoint(str(tmp_path / "elsewhere"), local_newest=None)
+    for path in (local / "iter_0000015").rglob("*"):
+        if path.is_file():
+            twin = Path(restored) / path.relative_to(local / "iter_0000015")
+            assert twin.read_bytes() == path.read_bytes()
+    assert mirror.restore_checkpoint(str(tmp_path / "x"), local_newest=15) is None
+
+    # A damaged stored checkpoint is skipped for the previous one.
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="run/checkpoints/iter_0000015/dist/shard_0.distcp",
+                      Body=b"garbage")
+    restored = mirror.restore_checkpoint(str(tmp_path / "third"), local_newest=None)
+    assert restored.endswith("iter_0000010")
+    assert not (tmp_path / "third" / "iter_0000015").exists()
+
+    # A directory without its manifest (an upload cut short) is refused, never half-used.
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(os.urandom(5000))
+    (adapter / "adapter_config.json").write_text("{}")
+    upload_tree(storage.store, str(adapter), parse_url(f"s3://{bucket}/run/adapter/"))
+    client.delete_object(Bucket=bucket, Key=f"run/adapter/{MANIFEST}")
+    with pytest.raises(ObjectNotFoundError, match="incomplete"):
+        download_tree(storage.store, parse_url(f"s3://{bucket}/run/adapter/"), str(tmp_path / "a2"))
+
+
+def test_upload_failure_is_raised_not_swallowed(s3_server, bucket, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-for-upload")
+    mirror = OutputMirror(_storage(tmp_path).store, parse_url(f"s3://{bucket}/run"), keep_last=1)
+    mirror.submit_checkpoint(str(_checkpoint(tmp_path / "checkpoints", 1)))
+    with pytest.raises(StorageError, match="access denied") as info:
+        mirror.wait()
+    assert "wrong-secret-for-upload" not in str(info.value)
