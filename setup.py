@@ -206,6 +206,10 @@ def _native_extensions():
 
 ext_modules, cmdclass = _native_extensions()
 
+# Object storage (s3:// and msc:// URLs, megatron_slmoe/storage): NVIDIA's multi-storage-client,
+# which Megatron-Core and megatron-energon read object storage with, on boto3.
+S3_REQUIRES = ["multi-storage-client[boto3]>=1.3,<2", "boto3>=1.36,<2"]
+
 setup(
     name="megatron-slmoe",
     version=_version(),
@@ -227,7 +231,9 @@ setup(
     extras_require={
         "gpu": ["transformer-engine"],
         "npu": ["torch_npu", "mindspeed"],
-        "test": ["pytest", "pytest-timeout"],
+        "s3": S3_REQUIRES,
+        # moto's server mode is the S3 endpoint of the storage tests (on 127.0.0.1, started by them)
+        "test": ["pytest", "pytest-timeout", "moto[server]>=5.1,<6", *S3_REQUIRES],
     },
     entry_points={"console_scripts": [
         "slmoe-finetune = megatron_slmoe.training.finetune:main",
