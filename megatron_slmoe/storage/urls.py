@@ -24,6 +24,7 @@ _URL = re.compile(r"^(?P<scheme>[a-z0-9]+)://(?P<authority>[^/]*)(?:/(?P<key>.*)
 # S3's rules for bucket names (also MinIO's and OBS's); msc profile names are looser.
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PROFILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_USERINFO = re.compile(r"^[^@/]*:[^@]*@")  # "user:secret@" before the bucket
 
 
 def is_object_url(path) -> bool:
@@ -80,9 +81,10 @@ def parse_url(text) -> ObjectURL:
         raise StorageConfigError(f"{text}: not an object-storage URL (expected "
                                  f"{' or '.join(s + '://...' for s in SCHEMES)})")
     scheme, authority, key = match.group("scheme"), match.group("authority"), match.group("key")
-    if "@" in authority:
-        # Never echo it: the part before "@" is a credential.
-        raise StorageConfigError(f"{scheme}://...@{authority.rsplit('@', 1)[-1]}: credentials do "
+    rest = text.split("://", 1)[1]
+    if "@" in authority or _USERINFO.match(rest):
+        # Never echo it: the part before "@" is a credential (a secret key may hold a "/").
+        raise StorageConfigError(f"{scheme}://...@{rest.rsplit('@', 1)[-1]}: credentials do "
                                  "not belong in the URL; set them in the environment or a profile")
     pattern, what = (_BUCKET, "bucket") if scheme == "s3" else (_PROFILE, "profile")
     if not pattern.match(authority):
