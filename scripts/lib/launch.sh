@@ -74,6 +74,8 @@ slmoe_print_env() {
     local names=(NNODES NODE_RANK NPROC_PER_NODE MASTER_ADDR MASTER_PORT)
     if [ -n "${RDZV_ENDPOINT:-}" ]; then names+=(RDZV_BACKEND RDZV_ENDPOINT RDZV_ID RDZV_CONF); fi
     names+=(LOCAL_ADDR MAX_RESTARTS NETWORK_PROFILE DISTRIBUTED_TIMEOUT_MINUTES)
+    # Where object storage is (never the credentials: those are not printed)
+    names+=(AWS_ENDPOINT_URL AWS_ENDPOINT_URL_S3 AWS_REGION AWS_DEFAULT_REGION AWS_PROFILE MSC_CONFIG)
     for name in "${names[@]}"; do
         if [ -n "${!name:-}" ]; then printf '%s=%q\n' "$name" "${!name}"; fi
     done

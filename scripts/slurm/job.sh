@@ -6,6 +6,7 @@
 #              not resolve), MASTER_PORT = 20000 + job id % 20000 (or SLMOE_MASTER_PORT).
 # Resume:      OUTPUT_DIR defaults to runs/<job name>: a requeued job (same name) finds its
 #              checkpoints there and the entry point resumes from the newest by itself.
+# Cache:       SLMOE_CACHE_DIR (default /tmp/slmoe-cache-$USER) is the node-local object cache.
 # Requeue:     the batch files ask for --requeue and --signal=B:USR1@<secs>; on USR1 (the time
 #              limit is near, or `scancel --batch --signal=USR1 <job>`) this requeues the job
 #              with `scontrol requeue`; SLURM stops the running step and starts the job again.
@@ -30,6 +31,10 @@ fi
 export MASTER_ADDR
 export MASTER_PORT=${SLMOE_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export OUTPUT_DIR=${OUTPUT_DIR:-runs/$SLURM_JOB_NAME}
+# Node-local cache of s3:// and msc:// data (megatron_slmoe/storage): one copy per node, shared by
+# its ranks and kept across requeues. Point it at the nodes' local NVMe (e.g. /raid, /local/nvme);
+# it must not be a shared file system. The same path is used on every node.
+export SLMOE_CACHE_DIR=${SLMOE_CACHE_DIR:-/tmp/slmoe-cache-${USER:-$(id -un)}}
 # srun of SLURM >= 22.11 no longer inherits --cpus-per-task from sbatch
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi
 
