@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterator, Optional, Union
 
 from megatron_slmoe.storage.client import ObjectInfo, ObjectStore, s3_endpoint
-from megatron_slmoe.storage.errors import CacheError, ObjectNotFoundError
+from megatron_slmoe.storage.errors import CacheError, ObjectChangedError, ObjectNotFoundError
 from megatron_slmoe.storage.urls import ObjectURL, parse_url
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,10 @@ class NodeCache:
         if meta is not None:
             log.info("storage: %s changed on the store (ETag %s -> %s); fetching it again",
                      url, meta.get("etag"), info.etag)
-        self._download(info, path, meta_path)
+        try:
+            self._download(info, path, meta_path)
+        except ObjectChangedError:  # replaced between the HEAD and the GET: once more
+            self._download(self.store.head(url), path, meta_path)
         return path
 
     def _download(self, info: ObjectInfo, path: str, meta_path: str) -> None:

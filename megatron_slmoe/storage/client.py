@@ -37,6 +37,7 @@ from megatron_slmoe.storage.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     EndpointUnreachableError,
+    ObjectChangedError,
     ObjectNotFoundError,
     StorageConfigError,
     StorageError,
@@ -291,8 +292,10 @@ class ObjectStore:
             client.download_file(info.url.key, sink, meta)
             sink.flush()
             if sink.tell() != info.size:
-                raise TransientStorageError(f"GET {info.url}: received {sink.tell()} bytes, the "
-                                            f"object has {info.size}")
+                # A cut transfer is an exception in botocore; a complete one of another size
+                # is another version of the object.
+                raise ObjectChangedError(f"GET {info.url}: received {sink.tell()} bytes, "
+                                         f"expected {info.size}")
 
         self._call(info.url, "GET", get)
 

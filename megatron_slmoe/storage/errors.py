@@ -52,5 +52,10 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """No object under this key (or, for a prefix, no object under it)."""
 
 
+class ObjectChangedError(StorageError):
+    """A download's size differs from what was expected of the object (it was replaced while
+    being read, or a manifest describes another version of it)."""
+
+
 class CacheError(StorageError):
     """The node-local cache cannot hold or serve an object (too large, unwritable directory)."""

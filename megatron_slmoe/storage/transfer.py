@@ -29,21 +29,19 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from megatron_slmoe.storage.client import ObjectStore
+from megatron_slmoe.storage.client import ObjectInfo, ObjectStore
 from megatron_slmoe.storage.errors import ObjectNotFoundError, StorageError
 from megatron_slmoe.storage.urls import ObjectURL
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
-_CHECKPOINT = re.compile(r"^iter_(\d{7})$")
 _WORKERS = 4
 
 
@@ -119,12 +117,13 @@ def download_tree(store: ObjectStore, prefix: ObjectURL, local_dir: str) -> str:
         def fetch(rel: str) -> None:
             path = os.path.join(staging, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            info = store.head(prefix.join(rel))
+            expected = files[rel]
+            # The manifest's size, not a HEAD: a stored file of another size fails the download.
+            info = ObjectInfo(prefix.join(rel), expected["bytes"], None)
             with open(path, "w+b") as sink:
                 store.download(info, sink)
                 os.fsync(sink.fileno())
-            expected = files[rel]
-            if info.size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
+            if sha256_file(path) != expected["sha256"]:
                 raise StorageError(f"{prefix.join(rel)} does not match {MANIFEST} (size or "
                                    "checksum): the stored directory is damaged")
 
@@ -204,20 +203,21 @@ class OutputMirror:
             raise error
 
     def stored_checkpoints(self) -> list[str]:
-        """Names of the checkpoints on the store with a manifest (complete), oldest first."""
+        """Names of the complete checkpoints on the store (with a manifest), oldest first (the
+        names sort by iteration: ``iter_%07d``)."""
         names = set()
         for info in self.store.list(self.checkpoints):
             parts = info.url.relative_to(self.checkpoints).split("/")
-            if len(parts) == 2 and parts[1] == MANIFEST and _CHECKPOINT.match(parts[0]):
+            if len(parts) == 2 and parts[1] == MANIFEST:
                 names.add(parts[0])
         return sorted(names)
 
-    def restore_checkpoint(self, local_root: str, local_newest: Optional[int]) -> Optional[str]:
-        """Bring back the newest complete stored checkpoint newer than ``local_newest`` (an
-        iteration, None: no local one); returns its local path, or None. A stored checkpoint
-        that turns out damaged is skipped with a warning, as the local loader does."""
+    def restore_checkpoint(self, local_root: str, local_newest: Optional[str]) -> Optional[str]:
+        """Bring back the newest complete stored checkpoint whose name sorts after
+        ``local_newest`` (None: there is no local one); returns its local path, or None. A stored
+        checkpoint that turns out damaged is skipped with a warning, as the local loader does."""
         for name in reversed(self.stored_checkpoints()):
-            if local_newest is not None and int(_CHECKPOINT.match(name).group(1)) <= local_newest:
+            if local_newest is not None and name <= local_newest:
                 return None
             try:
                 path = download_tree(self.store, self.checkpoints.join(name),

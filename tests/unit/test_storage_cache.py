@@ -278,7 +278,7 @@ def test_outputs_reach_the_store_complete_or_not_at_all(s3_server, bucket, tmp_p
         if path.is_file():
             twin = Path(restored) / path.relative_to(local / "iter_0000015")
             assert twin.read_bytes() == path.read_bytes()
-    assert mirror.restore_checkpoint(str(tmp_path / "x"), local_newest=15) is None
+    assert mirror.restore_checkpoint(str(tmp_path / "x"), local_newest="iter_0000015") is None
 
     # A damaged stored checkpoint is skipped for the previous one.
     client = s3_server.client()
