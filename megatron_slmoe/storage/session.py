@@ -32,6 +32,11 @@ class Storage:
         self._cache: Optional[NodeCache] = None
 
     @property
+    def cache_in_use(self) -> bool:
+        """Whether anything went through the node cache in this process."""
+        return self._cache is not None
+
+    @property
     def cache(self) -> NodeCache:
         """The node cache (its directory is made on first use, so local-only runs make none)."""
         if self._cache is None:
@@ -71,13 +76,12 @@ class Storage:
             return directory
         return os.fspath(path)
 
-    def local_indexed_dataset(self, prefix: PathOrURL) -> str:
-        """A local Megatron indexed-dataset prefix (``PREFIX.idx`` + ``PREFIX.bin``)."""
-        if not (isinstance(prefix, ObjectURL) or is_object_url(prefix)):
-            return os.fspath(prefix)
-        url = prefix if isinstance(prefix, ObjectURL) else parse_url(prefix)
-        idx, _ = self.local_files([f"{url}.idx", f"{url}.bin"])
-        return idx[: -len(".idx")]
+    def local_indexed_datasets(self, prefixes: Sequence[PathOrURL]) -> list[str]:
+        """Local Megatron indexed-dataset prefixes (``PREFIX.idx`` + ``PREFIX.bin`` each); the
+        objects among them are downloaded in order, ``--prefetch-shards`` ahead."""
+        files = [f for p in prefixes for f in (f"{p}.idx", f"{p}.bin")]
+        local = self.local_files(files)
+        return [idx[: -len(".idx")] for idx in local[0::2]]
 
     def expand(self, path: PathOrURL, suffix: str) -> list[PathOrURL]:
         """A prefix URL (ending in ``/``) -> its objects whose keys end with ``suffix``, in key

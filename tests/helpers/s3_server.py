@@ -24,9 +24,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Iterator, Optional
-
-import pytest
+from typing import Callable, Optional
 
 REGION = "us-east-1"
 
@@ -35,14 +33,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator["S3TestServer"]:
-    """One server per test module (import this name into the module to use it)."""
-    server = S3TestServer().start()
-    yield server
-    server.stop()
 
 
 class _Aborted(ConnectionAbortedError):
@@ -92,6 +82,12 @@ class S3TestServer:
         if not self.access_key_id:
             self._enable_auth()
         return self
+
+    def __enter__(self) -> "S3TestServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def stop(self) -> None:
         """Stop answering: in-flight bodies break off, new connections are refused."""

@@ -21,13 +21,19 @@ from megatron_slmoe.storage.cache import NodeCache
 from megatron_slmoe.storage.errors import CacheError, ObjectNotFoundError
 from megatron_slmoe.storage.transfer import MANIFEST, OutputMirror, download_tree, upload_tree
 from megatron_slmoe.storage.urls import parse_url
-from tests.helpers.s3_server import s3_server  # noqa: F401  (the fixture)
+from tests.helpers.s3_server import S3TestServer
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="module")
+def s3_server():
+    with S3TestServer() as server:
+        yield server
+
+
 @pytest.fixture
-def bucket(s3_server, monkeypatch, request):  # noqa: F811
+def bucket(s3_server, monkeypatch, request):
     """A fresh bucket, and this process's environment pointed at the server."""
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
@@ -66,7 +72,7 @@ def _sha(data: bytes) -> str:
 # --- one download per node ------------------------------------------------------------------------
 
 
-def test_two_ranks_on_a_node_download_each_object_once(s3_server, bucket, tmp_path):  # noqa: F811
+def test_two_ranks_on_a_node_download_each_object_once(s3_server, bucket, tmp_path):
     objects = _objects(6, 64 * 1024)
     _put(s3_server, bucket, objects)
     s3_server.reset_counts()
@@ -93,7 +99,7 @@ def test_two_ranks_on_a_node_download_each_object_once(s3_server, bucket, tmp_pa
 
 
 def test_warm_cache_is_reused_across_restarts_and_a_changed_object_is_fetched_again(
-        s3_server, bucket, tmp_path):  # noqa: F811
+        s3_server, bucket, tmp_path):
     objects = _objects(3, 10_000)
     _put(s3_server, bucket, objects)
     urls = [f"s3://{bucket}/{key}" for key in objects]
@@ -123,7 +129,7 @@ def test_warm_cache_is_reused_across_restarts_and_a_changed_object_is_fetched_ag
     assert s3_server.requests("GET", f"/{bucket}/{key}") == 1
 
 
-def test_damaged_entry_is_never_used(s3_server, bucket, tmp_path):  # noqa: F811
+def test_damaged_entry_is_never_used(s3_server, bucket, tmp_path):
     key, data = "one.bin", os.urandom(50_000)
     _put(s3_server, bucket, {key: data})
     url = f"s3://{bucket}/{key}"
@@ -138,7 +144,7 @@ def test_damaged_entry_is_never_used(s3_server, bucket, tmp_path):  # noqa: F811
 # --- size bound -----------------------------------------------------------------------------------
 
 
-def test_cache_stays_within_its_bound_evicting_least_recently_used(s3_server, bucket, tmp_path):  # noqa: F811
+def test_cache_stays_within_its_bound_evicting_least_recently_used(s3_server, bucket, tmp_path):
     size = 100_000
     objects = {f"lru/{name}.bin": os.urandom(size) for name in "abcd"}
     _put(s3_server, bucket, objects)
@@ -160,7 +166,7 @@ def test_cache_stays_within_its_bound_evicting_least_recently_used(s3_server, bu
 # --- faults ---------------------------------------------------------------------------------------
 
 
-def test_reads_survive_the_server_going_down_mid_transfer(s3_server, bucket, tmp_path):  # noqa: F811
+def test_reads_survive_the_server_going_down_mid_transfer(s3_server, bucket, tmp_path):
     objects = _objects(5, 200_000)
     _put(s3_server, bucket, objects)
     keys = list(objects)
@@ -175,7 +181,7 @@ def test_reads_survive_the_server_going_down_mid_transfer(s3_server, bucket, tmp
     assert s3_server.requests("GET", f"/{bucket}/{keys[2]}") == 2  # cut off once, then complete
 
 
-def test_kill_during_download_leaves_nothing_trusted(s3_server, bucket, tmp_path):  # noqa: F811
+def test_kill_during_download_leaves_nothing_trusted(s3_server, bucket, tmp_path):
     key, data = "big.bin", os.urandom(2 * 1024 * 1024)
     _put(s3_server, bucket, {key: data})
     url = f"s3://{bucket}/{key}"
@@ -216,7 +222,7 @@ def _preflight_line(capsys, inputs, outputs=(), **settings) -> str:
 
 
 def test_preflight_names_the_url_in_one_line_without_secrets(s3_server, bucket, monkeypatch,
-                                                             capsys):  # noqa: F811
+                                                             capsys):
     _put(s3_server, bucket, {"data/train.jsonl": b"{}\n"})
     good = f"s3://{bucket}/data/train.jsonl"
     secret = s3_server.secret_access_key
@@ -256,7 +262,7 @@ def _checkpoint(root: Path, iteration: int) -> Path:
     return directory
 
 
-def test_outputs_reach_the_store_complete_or_not_at_all(s3_server, bucket, tmp_path):  # noqa: F811
+def test_outputs_reach_the_store_complete_or_not_at_all(s3_server, bucket, tmp_path):
     storage = _storage(tmp_path / "nvme", output_url=f"s3://{bucket}/run")
     mirror = storage.output_mirror(keep_last=2)
     local = tmp_path / "checkpoints"
@@ -299,7 +305,7 @@ def test_outputs_reach_the_store_complete_or_not_at_all(s3_server, bucket, tmp_p
         download_tree(storage.store, parse_url(f"s3://{bucket}/run/adapter/"), str(tmp_path / "a2"))
 
 
-def test_upload_failure_is_raised_not_swallowed(s3_server, bucket, tmp_path, monkeypatch):  # noqa: F811
+def test_upload_failure_is_raised_not_swallowed(s3_server, bucket, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-for-upload")
     mirror = OutputMirror(_storage(tmp_path).store, parse_url(f"s3://{bucket}/run"), keep_last=1)
     mirror.submit_checkpoint(str(_checkpoint(tmp_path / "checkpoints", 1)))
