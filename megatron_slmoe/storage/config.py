@@ -44,7 +44,7 @@ class StorageConfig:
         200.0, "--cache-max-gb",
         "size bound of the cache; least recently used objects are evicted beyond it")
     cache_revalidate_s: float = _setting(
-        300.0, "--cache-revalidate-seconds",
+        60.0, "--cache-revalidate-seconds",
         "a cached object whose ETag and size were checked against the store this recently is used "
         "without asking again (0: check on every open)")
     prefetch_shards: int = _setting(
