@@ -8,8 +8,9 @@ Modules:
     synthetic    the generator of the shipped assets (``megatron_slmoe/assets/``)
     assets       paths of the shipped assets
 
-Object storage (S3/MinIO/OBS) and the local NVMe cache will live here too (``storage.py``); they do
-not exist yet. Nothing in this package downloads at run time.
+Object storage (S3/MinIO/OBS, msc profiles) and the node-local cache are ``megatron_slmoe.storage``
+(it serves checkpoints and outputs too); ``training/data_sources.py`` resolves data URLs through it.
+Nothing in this package downloads at run time.
 """
 
 from megatron_slmoe.data.errors import DataError, DataFileNotFoundError
