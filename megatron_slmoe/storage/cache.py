@@ -49,7 +49,12 @@ from dataclasses import asdict, dataclass
 from typing import Iterator, Optional, Union
 
 from megatron_slmoe.storage.client import ObjectInfo, ObjectStore, s3_endpoint
-from megatron_slmoe.storage.errors import CacheError, ObjectChangedError, ObjectNotFoundError
+from megatron_slmoe.storage.errors import (
+    CacheError,
+    ObjectChangedError,
+    ObjectNotFoundError,
+    StorageError,
+)
 from megatron_slmoe.storage.urls import ObjectURL, parse_url
 
 log = logging.getLogger(__name__)
@@ -174,6 +179,8 @@ class NodeCache:
             with _flock(lock_path):
                 self._count(lock_wait_s=time.monotonic() - start)
                 return self._fetch_locked(url, path, meta_path, info)
+        except StorageError:  # some are OSErrors too (not found, access denied): not ours
+            raise
         except OSError as err:
             raise CacheError(f"{url}: cannot write its cache entry under {self.root} "
                              f"({err.strerror or err})") from None

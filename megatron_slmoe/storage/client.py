@@ -291,10 +291,12 @@ class ObjectStore:
             sink.truncate()
             client.download_file(info.url.key, sink, meta)
             sink.flush()
-            if sink.tell() != info.size:
+            # The file's end, not tell(): large objects arrive as ranged parts written in any order.
+            received = sink.seek(0, os.SEEK_END)
+            if received != info.size:
                 # A cut transfer is an exception in botocore; a complete one of another size
                 # is another version of the object.
-                raise ObjectChangedError(f"GET {info.url}: received {sink.tell()} bytes, "
+                raise ObjectChangedError(f"GET {info.url}: received {received} bytes, "
                                          f"expected {info.size}")
 
         self._call(info.url, "GET", get)

@@ -141,6 +141,45 @@ def test_damaged_entry_is_never_used(s3_server, bucket, tmp_path):
     assert s3_server.requests("GET", f"/{bucket}/{key}") == 1
 
 
+def test_msc_profile_urls_read_through_the_same_cache(s3_server, bucket, tmp_path, monkeypatch):
+    """msc://PROFILE/PATH with the profile in MSC_CONFIG (credentials by ${VAR} expansion, as the
+    README shows); a secret written into the profile file itself is masked in messages too."""
+    data = os.urandom(20_000)
+    _put(s3_server, bucket, {"d/x.bin": data})
+    inline_secret = "inline-secret-in-profile-file"
+    (tmp_path / "msc.yaml").write_text(f"""
+profiles:
+  store:
+    storage_provider:
+      type: s3
+      options: {{base_path: {bucket}, endpoint_url: "{s3_server.endpoint}", region_name: us-east-1}}
+    credentials_provider:
+      type: S3Credentials
+      options: {{access_key: "${{MY_KEY_ID}}", secret_key: "${{MY_KEY}}"}}
+  broken:
+    storage_provider:
+      type: s3
+      options: {{base_path: {bucket}, endpoint_url: "{s3_server.endpoint}", region_name: us-east-1}}
+    credentials_provider:
+      type: S3Credentials
+      options: {{access_key: AKIAINLINEKEY0000000, secret_key: {inline_secret}}}
+""")
+    monkeypatch.setenv("MSC_CONFIG", str(tmp_path / "msc.yaml"))
+    monkeypatch.setenv("MY_KEY_ID", s3_server.access_key_id)
+    monkeypatch.setenv("MY_KEY", s3_server.secret_access_key)
+    storage = _storage(tmp_path / "nvme")
+    assert Path(storage.local_file("msc://store/d/x.bin")).read_bytes() == data
+    assert s3_server.requests("GET", f"/{bucket}/d/x.bin") == 1
+    with pytest.raises(StorageError, match="no profile 'nope'"):
+        storage.local_file("msc://nope/d/x.bin")
+    with pytest.raises(StorageError) as info:
+        storage.preflight(["msc://broken/d/x.bin"])
+    assert "msc://broken/d/x.bin" in str(info.value) and "access denied" in str(info.value)
+    from megatron_slmoe.storage import redact
+
+    assert inline_secret not in redact(f"something about {inline_secret}")
+
+
 # --- size bound -----------------------------------------------------------------------------------
 
 
