@@ -105,9 +105,10 @@ def _write_json_atomic(path: str, data: dict) -> None:
 
 
 @contextlib.contextmanager
-def _flock(path: str, blocking: bool = True) -> Iterator[bool]:
-    """Exclusive flock on ``path`` (created if missing); yields False if not blocking and busy."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _flock(path: str, blocking: bool = True, create: bool = True) -> Iterator[bool]:
+    """Exclusive flock on ``path`` (created if missing and ``create``); yields False if not
+    blocking and busy."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
@@ -291,8 +292,8 @@ class NodeCache:
         tmp_dir = os.path.join(self.root, "tmp")
         for name in os.listdir(tmp_dir):
             path = os.path.join(tmp_dir, name)
-            try:
-                with _flock(path, blocking=False) as got:
+            try:  # (not created: it may just have been renamed into place)
+                with _flock(path, blocking=False, create=False) as got:
                     if got:  # nobody writes it: left by a killed process
                         os.unlink(path)
                         continue

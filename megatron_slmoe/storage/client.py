@@ -43,7 +43,7 @@ from megatron_slmoe.storage.errors import (
     StorageError,
     TransientStorageError,
 )
-from megatron_slmoe.storage.redact import register_secrets_in
+from megatron_slmoe.storage.redact import register_secret, register_secrets_in
 from megatron_slmoe.storage.retry import RetryPolicy, call_with_retry
 from megatron_slmoe.storage.urls import ObjectURL, parse_url
 
@@ -105,6 +105,18 @@ def _msc_config(profile: str):
         raise StorageConfigError(f"msc://{profile}/: no profile {profile!r} in the "
                                  f"multi-storage-client configuration ({where})")
     return StorageClientConfig.from_file(profile=profile), raw["profiles"][profile]
+
+
+def _register_boto3_credentials() -> None:
+    """Mask the credentials boto3 will sign with, wherever they come from (a shared credentials
+    file or a role as well as the environment)."""
+    import boto3
+
+    credentials = boto3.Session().get_credentials()
+    if credentials is not None:
+        frozen = credentials.get_frozen_credentials()
+        for value in (frozen.access_key, frozen.secret_key, frozen.token):
+            register_secret(value)
 
 
 def describe_endpoint(url: ObjectURL) -> str:
@@ -223,6 +235,7 @@ class ObjectStore:
                 profile = f"slmoe-s3-{url.authority}"
                 config = StorageClientConfig.from_dict({"profiles": {profile: _s3_profile(
                     url.authority)}}, profile=profile)
+                _register_boto3_credentials()
             else:
                 config, _ = _msc_config(url.authority)
             return StorageClient(config)
