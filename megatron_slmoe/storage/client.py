@@ -104,7 +104,7 @@ def _msc_config(profile: str):
         where = path or "no configuration file found; set MSC_CONFIG"
         raise StorageConfigError(f"msc://{profile}/: no profile {profile!r} in the "
                                  f"multi-storage-client configuration ({where})")
-    return StorageClientConfig.from_file(profile=profile), raw["profiles"][profile]
+    return StorageClientConfig.from_file(profile=profile)
 
 
 def _register_boto3_credentials() -> None:
@@ -132,11 +132,11 @@ _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionRef
                 "gaierror", "NewConnectionError", "ProxyConnectionError"}
 _TRANSIENT = {"ReadTimeoutError", "IncompleteReadError", "ResponseStreamingError",
               "ConnectionClosedError", "ProtocolError", "IncompleteRead", "ConnectionResetError",
-              "ConnectionAbortedError", "BrokenPipeError", "TimeoutError", "socket.timeout",
-              "RetryableError", "RemoteDisconnected"}
+              "ConnectionAbortedError", "BrokenPipeError", "TimeoutError", "RetryableError",
+              "RemoteDisconnected"}
 _NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError"}
 _TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable",
-                    "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
+                    "Throttling", "ThrottlingException"}
 
 
 def access_denied(url: ObjectURL, code: Optional[str], operation: str = "") -> AccessDeniedError:
@@ -181,8 +181,9 @@ def classify(err: BaseException, url: ObjectURL, operation: str) -> StorageError
     if 404 in statuses or "FileNotFoundError" in names:
         return ObjectNotFoundError(f"{url}: no such object on {endpoint}")
     if names & _UNREACHABLE:
-        kind = next(n for n in ("ConnectTimeoutError", "gaierror") if n in names) \
-            if names & {"ConnectTimeoutError", "gaierror"} else "connection refused"
+        kind = ("connection refused" if "ConnectionRefusedError" in names else
+                "connect timeout" if "ConnectTimeoutError" in names else
+                "host name not resolved" if "gaierror" in names else "no connection")
         return EndpointUnreachableError(f"{where}: cannot connect to {endpoint} ({kind})")
     if any(s is not None and (s >= 500 or s in (408, 429)) for s in statuses) or \
             set(codes) & _TRANSIENT_CODES:
@@ -237,7 +238,7 @@ class ObjectStore:
                     url.authority)}}, profile=profile)
                 _register_boto3_credentials()
             else:
-                config, _ = _msc_config(url.authority)
+                config = _msc_config(url.authority)
             return StorageClient(config)
         except StorageError:
             raise
