@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import IO, Callable, Optional, TypeVar
+from typing import IO, Callable, Optional, TypeVar, Union
 
 from megatron_slmoe.storage.errors import (
     AccessDeniedError,
@@ -218,6 +218,11 @@ class ObjectStore:
         other = ObjectStore.__new__(ObjectStore)
         other.retry, other._clients, other._lock = retry, self._clients, self._lock
         return other
+
+    def connect(self, url: Union[str, ObjectURL]) -> None:
+        """Set up the client of ``url``'s bucket or profile now (it is otherwise made on first use),
+        e.g. before timing a data path."""
+        self._client(url if isinstance(url, ObjectURL) else parse_url(url))
 
     def _client(self, url: ObjectURL):
         key = (url.scheme, url.authority)

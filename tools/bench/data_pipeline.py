@@ -5,9 +5,11 @@ tokens, ``seq_length + 1`` per sample, as Megatron's ``.bin`` files hold them):
 
   local        the shards on local disk (the baseline every ratio is taken against)
   object_cold  the shards on an S3 endpoint, through an empty node cache
-  object_warm  the same, through the cache the cold pass filled
+  object_warm  the same, through the cache the cold pass filled (entries older than
+               --cache-revalidate-seconds are checked with one HEAD per shard and node)
 
-Each source is measured twice, with ``--ranks`` real processes on this node sharing one cache:
+Each source is measured twice per repeat (``--repeats``, sources interleaved, medians shown), with
+``--ranks`` real processes on this node sharing one cache:
 
 * a read pass: every rank streams the shards in order (the next ``--prefetch-shards`` downloading
   in the background) and reads its share of the samples; samples/s over all ranks, and the body
@@ -32,6 +34,7 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +46,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 VOCAB = 4096
+SOURCES = ("local", "object_cold", "object_warm")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,9 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--url", default=None,
                    help="s3:// or msc:// prefix of a real endpoint to upload the dataset to "
                         "(default: moto's server on 127.0.0.1)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measurements per source (interleaved); the table shows medians")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    for name in ("shards", "ranks", "seq_length", "micro_batch_size", "train_steps"):
+    for name in ("shards", "ranks", "seq_length", "micro_batch_size", "train_steps", "repeats"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.shard_mb <= 0 or (args.bandwidth_mbps is not None and args.bandwidth_mbps <= 0):
@@ -147,7 +153,9 @@ def _rank(rank: int, world: int, spec: dict, barrier, results) -> None:
 
         storage = Storage(StorageConfig(cache_dir=spec["cache_dir"], cache_max_gb=spec["cache_gb"],
                                         prefetch_shards=spec["prefetch"]))
-        barrier.wait()  # imports done: time the data path only
+        if spec["shards"][0].startswith(("s3://", "msc://")):
+            storage.store.connect(spec["shards"][0])  # once per process, as a run does at start
+        barrier.wait()  # imports and client set-up done: time the data path only
         start = time.perf_counter()
         result = (_read_pass if spec["mode"] == "read" else _train_pass)(storage, spec, rank, world)
         result["elapsed_s"] = time.perf_counter() - start
@@ -176,6 +184,35 @@ def _run_ranks(spec: dict, world: int) -> list[dict]:
 
 
 # --- the dataset ----------------------------------------------------------------------------------
+
+
+def _measure(source: str, repeat: int, base: dict, local: list, objects: list, warm_cache: str,
+             work: str, server, ranks: int) -> dict:
+    """One read pass and one training run of ``source`` (see the module doc)."""
+    row = {}
+    for mode in ("read", "train"):
+        if source == "object_cold":  # an empty cache for each pass; the first read fills warm_cache
+            first = repeat == 0 and mode == "read"
+            cache_dir = warm_cache if first else os.path.join(work, f"cache-cold-{repeat}-{mode}")
+        else:
+            cache_dir = warm_cache
+        spec = dict(base, mode=mode, cache_dir=cache_dir,
+                    shards=local if source == "local" else objects)
+        before = server.get_bytes("/bench-data/") if server else 0
+        results = _run_ranks(spec, ranks)
+        fetched = server.get_bytes("/bench-data/") - before if server else \
+            sum(r["bytes_downloaded"] for r in results)
+        if mode == "read":
+            samples = sum(r["samples"] for r in results)
+            row.update(samples=samples,
+                       samples_per_s=samples / max(r["elapsed_s"] for r in results),
+                       bytes_fetched_per_node=fetched)
+        else:
+            step = sum(r["step_s"] for r in results)
+            steps = sum(r["steps"] for r in results)
+            row.update(data_wait_share=sum(r["wait_s"] for r in results) / step,
+                       step_ms=1e3 * step / max(steps, 1), train_bytes_fetched_per_node=fetched)
+    return row
 
 
 def _write_dataset(directory: str, args) -> list[str]:
@@ -225,37 +262,19 @@ def main(argv=None) -> int:
         base = {"seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
                 "train_steps": args.train_steps, "prefetch": args.prefetch_shards, "env": env,
                 "cache_gb": 2 * dataset_bytes / 2**30 + 0.01}
-        rows = []
         warm_cache = os.path.join(work, "cache-warm")
-        for source in ("local", "object_cold", "object_warm"):
-            row = {"source": source, "dataset_bytes": dataset_bytes}
-            for mode in ("read", "train"):
-                if source == "object_cold":  # cold for both passes; the read pass fills warm_cache
-                    cache_dir = warm_cache if mode == "read" else os.path.join(work, "cache-cold")
-                else:
-                    cache_dir = warm_cache
-                spec = dict(base, mode=mode, cache_dir=cache_dir,
-                            shards=local if source == "local" else objects)
-                before = server.get_bytes("/bench-data/") if server else None
-                results = _run_ranks(spec, args.ranks)
-                fetched = server.get_bytes("/bench-data/") - before if server else \
-                    sum(r["bytes_downloaded"] for r in results)
-                if mode == "read":
-                    samples = sum(r["samples"] for r in results)
-                    elapsed = max(r["elapsed_s"] for r in results)
-                    row.update(samples=samples, samples_per_s=samples / elapsed,
-                               bytes_fetched_per_node=fetched)
-                else:
-                    wait = sum(r["wait_s"] for r in results)
-                    step = sum(r["step_s"] for r in results)
-                    steps = sum(r["steps"] for r in results)
-                    row.update(data_wait_share=wait / step, step_ms=1e3 * step / max(steps, 1),
-                               train_bytes_fetched_per_node=fetched)
-            rows.append(row)
+        runs = {source: [] for source in SOURCES}
+        for repeat in range(args.repeats):  # sources interleaved: a busy spell hits them all
+            for source in SOURCES:
+                runs[source].append(_measure(source, repeat, base, local, objects, warm_cache,
+                                             work, server, args.ranks))
+        rows = [{"source": source, "dataset_bytes": dataset_bytes, "repeats": args.repeats,
+                 **{key: statistics.median(run[key] for run in runs[source])
+                    for key in runs[source][0]}} for source in SOURCES]
         baseline = rows[0]
         for row in rows:
             row["x_local_samples_per_s"] = row["samples_per_s"] / baseline["samples_per_s"]
-            row["x_local_step_ms"] = row["step_ms"] / baseline["step_ms"]
+            row["step_ms_over_local"] = row["step_ms"] / baseline["step_ms"]
     except StorageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -268,14 +287,14 @@ def main(argv=None) -> int:
           f"{args.ranks} ranks on one node, prefetch {args.prefetch_shards}, endpoint {endpoint}"
           + (f" throttled to {args.bandwidth_mbps:g} MB/s" if args.bandwidth_mbps else ""))
     header = (f"{'source':<12} {'samples/s':>10} {'x local':>8} {'fetched/node MB':>16} "
-              f"{'dataset MB':>11} {'wait share':>11} {'step ms':>8} {'x local':>8}")
+              f"{'dataset MB':>11} {'wait share':>11} {'step ms':>8} {'/ local':>8}")
     print(header)
     print("-" * len(header))
     for row in rows:
         fetched = row["bytes_fetched_per_node"]
         print(f"{row['source']:<12} {row['samples_per_s']:>10.0f} {row['x_local_samples_per_s']:>8.2f} "
               f"{(fetched or 0) / 1e6:>16.1f} {row['dataset_bytes'] / 1e6:>11.1f} "
-              f"{row['data_wait_share']:>11.1%} {row['step_ms']:>8.1f} {row['x_local_step_ms']:>8.2f}")
+              f"{row['data_wait_share']:>11.1%} {row['step_ms']:>8.1f} {row['step_ms_over_local']:>8.2f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         report = {"benchmark": "data_pipeline", "machine": {
