@@ -10,8 +10,7 @@ Modules (one job each):
     client     ``ObjectStore``: HEAD/GET/PUT/LIST/DELETE through multi-storage-client, errors
                classified once, every operation under the retry policy
     retry      backoff + total timeout for transient errors
-    errors     one-line errors naming the URL, never a credential
-    redact     masking of credentials in text, mappings and log records
+    errors     one-line errors naming the URL, never a credential (masked by utils.redact)
     cache      ``NodeCache``: one verified download per node, LRU-bounded, crash-safe
     prefetch   ``ShardPrefetcher``: the next shards downloaded ahead of the reader
     transfer   directories to/from the store (manifest last), ``OutputMirror`` for a run's outputs
@@ -22,9 +21,8 @@ Modules (one job each):
 from megatron_slmoe.storage.config import StorageConfig
 from megatron_slmoe.storage.errors import StorageError
 from megatron_slmoe.storage.preflight import preflight_check, preflight_or_exit
-from megatron_slmoe.storage.redact import redact, redact_mapping
 from megatron_slmoe.storage.session import Storage
 from megatron_slmoe.storage.urls import ObjectURL, is_object_url, parse_url
 
 __all__ = ["ObjectURL", "Storage", "StorageConfig", "StorageError", "is_object_url", "parse_url",
-           "preflight_check", "preflight_or_exit", "redact", "redact_mapping"]
+           "preflight_check", "preflight_or_exit"]

@@ -56,6 +56,7 @@ from megatron_slmoe.storage.errors import (
     StorageError,
 )
 from megatron_slmoe.storage.urls import ObjectURL, parse_url
+from megatron_slmoe.utils.atomic import fsync_path, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -85,23 +86,6 @@ def _namespace(url: ObjectURL) -> str:
     label = re.sub(r"[^A-Za-z0-9.\-]+", "_", endpoint.split("://")[-1]).strip("_")[:48]
     digest = hashlib.sha256(endpoint.encode()).hexdigest()[:8]
     return os.path.join("s3", f"{label}-{digest}", url.authority)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -227,7 +211,7 @@ class NodeCache:
         meta = self._complete(path, meta_path)
         if meta is not None and meta.get("etag") == info.etag and meta["size"] == info.size:
             meta["validated_at"] = time.time()
-            _write_json_atomic(meta_path, meta)
+            write_json_atomic(meta_path, meta)
             self._count(revalidations=1)
             return self._hit(meta_path, path)
         if meta is not None:
@@ -252,10 +236,10 @@ class NodeCache:
                 os.makedirs(directory, exist_ok=True)
             os.chmod(tmp_path, 0o444)
             os.replace(tmp_path, path)
-            _fsync_dir(os.path.dirname(path))
-            _write_json_atomic(meta_path, {"url": str(info.url), "size": info.size,
+            fsync_path(os.path.dirname(path))
+            write_json_atomic(meta_path, {"url": str(info.url), "size": info.size,
                                            "etag": info.etag, "validated_at": time.time()})
-            _fsync_dir(os.path.dirname(meta_path))
+            fsync_path(os.path.dirname(meta_path))
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_path)

@@ -43,7 +43,7 @@ from megatron_slmoe.storage.errors import (
     StorageError,
     TransientStorageError,
 )
-from megatron_slmoe.storage.redact import register_secret, register_secrets_in
+from megatron_slmoe.utils.redact import register_secret, register_secrets_in
 from megatron_slmoe.storage.retry import RetryPolicy, call_with_retry
 from megatron_slmoe.storage.urls import ObjectURL, parse_url
 

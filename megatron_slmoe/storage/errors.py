@@ -8,12 +8,12 @@
 * the rest are permanent: retrying does not help (wrong credentials, a missing bucket or key,
   a malformed URL, an object too large for the cache, ...).
 
-Every message goes through :func:`~megatron_slmoe.storage.redact.redact` when the error is made.
+Every message goes through :func:`~megatron_slmoe.utils.redact.redact` when the error is made.
 """
 
 from __future__ import annotations
 
-from megatron_slmoe.storage.redact import redact
+from megatron_slmoe.utils.redact import redact
 
 
 class StorageError(Exception):

@@ -1,14 +1,15 @@
 """Directories to and from object storage, complete or not at all, and a run's output mirror.
 
 A directory on the store is *complete* when its ``MANIFEST.json`` exists: the manifest lists every
-file with its size and SHA-256 (the format of ``training/checkpointing.py``) and is uploaded last,
+file with its size and SHA-256 (``megatron_slmoe.utils.manifest``, as checkpoints carry it) and is
+uploaded last,
 after every file it lists, and deleted first when the directory is replaced. Object stores have
 no rename, so the manifest is the commit point:
 
 * :func:`upload_tree` uploads a local directory (its own ``MANIFEST.json`` if it has one, as a
   checkpoint does, else one made here);
-* :func:`download_tree` downloads a complete directory into a temporary sibling, checks every size
-  and checksum against the manifest and renames it into place.
+* :func:`download_tree` downloads a complete directory into a staging directory, checks every size
+  and checksum against the manifest and renames it into place (``utils.atomic.atomic_directory``).
 
 :class:`OutputMirror` is what a run uses: checkpoints are uploaded in a background thread, one at a
 time, and the store's ``checkpoints/latest`` names a checkpoint only once it is complete there;
@@ -25,12 +26,9 @@ Remote layout under ``--output-url``::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -38,34 +36,12 @@ from typing import Any, Optional
 from megatron_slmoe.storage.client import ObjectInfo, ObjectStore
 from megatron_slmoe.storage.errors import ObjectNotFoundError, StorageError
 from megatron_slmoe.storage.urls import ObjectURL
+from megatron_slmoe.utils.atomic import atomic_directory
+from megatron_slmoe.utils.manifest import MANIFEST, inventory, sha256_file
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "MANIFEST.json"
 _WORKERS = 4
-
-
-# --- manifests ------------------------------------------------------------------------------------
-
-
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def inventory(directory: str) -> dict[str, dict[str, Any]]:
-    """Every file under ``directory`` but the manifest: relative path -> bytes and SHA-256."""
-    files = {}
-    for base, _, names in os.walk(directory):
-        for name in sorted(names):
-            path = os.path.join(base, name)
-            rel = os.path.relpath(path, directory)
-            if rel != MANIFEST:
-                files[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
-    return files
 
 
 def _read_manifest(text: bytes, where: str) -> dict[str, dict[str, Any]]:
@@ -110,10 +86,7 @@ def download_tree(store: ObjectStore, prefix: ObjectURL, local_dir: str) -> str:
         raise ObjectNotFoundError(f"{prefix.as_prefix()}: incomplete or missing (no {MANIFEST})"
                                   ) from None
     files = _read_manifest(manifest_bytes, str(prefix.join(MANIFEST)))
-    parent, name = os.path.split(os.path.abspath(local_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{name}.download-", dir=parent)
-    try:
+    with atomic_directory(local_dir, replace=True) as staging:
         def fetch(rel: str) -> None:
             path = os.path.join(staging, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -122,7 +95,6 @@ def download_tree(store: ObjectStore, prefix: ObjectURL, local_dir: str) -> str:
             info = ObjectInfo(prefix.join(rel), expected["bytes"], None)
             with open(path, "w+b") as sink:
                 store.download(info, sink)
-                os.fsync(sink.fileno())
             if sha256_file(path) != expected["sha256"]:
                 raise StorageError(f"{prefix.join(rel)} does not match {MANIFEST} (size or "
                                    "checksum): the stored directory is damaged")
@@ -132,17 +104,6 @@ def download_tree(store: ObjectStore, prefix: ObjectURL, local_dir: str) -> str:
                 future.result()
         with open(os.path.join(staging, MANIFEST), "wb") as f:
             f.write(manifest_bytes)
-            os.fsync(f.fileno())
-        if os.path.lexists(local_dir):
-            retired = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-            os.replace(local_dir, retired)
-            os.replace(staging, local_dir)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, local_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return local_dir
 
 

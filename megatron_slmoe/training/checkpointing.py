@@ -19,7 +19,6 @@ state with torch's weights-only unpickler.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -32,11 +31,11 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 
 from megatron_slmoe.utils.atomic import write_json_atomic, write_text_atomic
+from megatron_slmoe.utils.manifest import MANIFEST, inventory, sha256_file
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^iter_(\d{7})$")
-_MANIFEST = "MANIFEST.json"
 
 
 class CheckpointError(RuntimeError):
@@ -119,8 +118,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, trainer_
     torch.distributed.barrier()
 
     if rank == 0:
-        write_json_atomic(os.path.join(tmp, _MANIFEST),
-                          {"iteration": iteration, "files": _inventory(tmp)}, sort_keys=True)
+        write_json_atomic(os.path.join(tmp, MANIFEST),
+                          {"iteration": iteration, "files": inventory(tmp)}, sort_keys=True)
         if os.path.exists(final):  # an earlier run's checkpoint of the same iteration
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -128,26 +127,6 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, trainer_
         _prune(root, keep_last)
     torch.distributed.barrier()
     return final
-
-
-def _inventory(directory: str) -> dict[str, dict[str, Any]]:
-    files = {}
-    for base, _, names in os.walk(directory):
-        for fname in sorted(names):
-            path = os.path.join(base, fname)
-            rel = os.path.relpath(path, directory)
-            if rel == _MANIFEST:
-                continue
-            files[rel] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-    return files
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _prune(root: str, keep_last: int) -> None:
@@ -182,7 +161,7 @@ def save_base_checkpoint(model, directory: str, model_config_name: str) -> None:
 
 def verify(directory: str) -> Optional[str]:
     """None if the checkpoint is complete and intact, else why not (one line)."""
-    manifest_path = os.path.join(directory, _MANIFEST)
+    manifest_path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(manifest_path):
         return "no MANIFEST.json (the save did not finish)"
     try:
@@ -198,7 +177,7 @@ def verify(directory: str) -> Optional[str]:
             return f"{rel} is missing"
         if os.path.getsize(path) != expected["bytes"]:
             return f"{rel} has {os.path.getsize(path)} bytes, the manifest says {expected['bytes']}"
-        if _sha256(path) != expected["sha256"]:
+        if sha256_file(path) != expected["sha256"]:
             return f"{rel} does not match its checksum"
     return None
 

@@ -10,16 +10,18 @@ import sys
 
 import pytest
 
-from megatron_slmoe.storage import StorageConfig, parse_url, redact, redact_mapping
+from megatron_slmoe.storage import StorageConfig, parse_url
 from megatron_slmoe.storage.errors import (
     AccessDeniedError,
     StorageConfigError,
     StorageTimeoutError,
     TransientStorageError,
 )
-from megatron_slmoe.storage.redact import (
+from megatron_slmoe.utils.redact import (
     MASK,
     RedactingFilter,
+    redact,
+    redact_mapping,
     register_secret,
 )
 from megatron_slmoe.storage.retry import RetryPolicy, call_with_retry

@@ -19,7 +19,8 @@ import pytest
 from megatron_slmoe.storage import Storage, StorageConfig, StorageError, preflight_or_exit
 from megatron_slmoe.storage.cache import NodeCache
 from megatron_slmoe.storage.errors import CacheError, ObjectNotFoundError
-from megatron_slmoe.storage.transfer import MANIFEST, OutputMirror, download_tree, upload_tree
+from megatron_slmoe.storage.transfer import OutputMirror, download_tree, upload_tree
+from megatron_slmoe.utils.manifest import MANIFEST
 from megatron_slmoe.storage.urls import parse_url
 from tests.helpers.s3_server import S3TestServer
 
@@ -175,7 +176,7 @@ profiles:
     with pytest.raises(StorageError) as info:
         storage.preflight(["msc://broken/d/x.bin"])
     assert "msc://broken/d/x.bin" in str(info.value) and "access denied" in str(info.value)
-    from megatron_slmoe.storage import redact
+    from megatron_slmoe.utils.redact import redact
 
     assert inline_secret not in redact(f"something about {inline_secret}")
 
@@ -290,7 +291,7 @@ def test_preflight_names_the_url_in_one_line_without_secrets(s3_server, bucket, 
 
 def _checkpoint(root: Path, iteration: int) -> Path:
     """A directory shaped like training/checkpointing.py's, with its manifest."""
-    from megatron_slmoe.storage.transfer import inventory
+    from megatron_slmoe.utils.manifest import inventory
 
     directory = root / f"iter_{iteration:07d}"
     (directory / "dist").mkdir(parents=True)

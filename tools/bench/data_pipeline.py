@@ -29,7 +29,6 @@ optional ``--bandwidth-mbps`` throttles the local server to a network-like rate.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -296,13 +295,13 @@ def main(argv=None) -> int:
               f"{(fetched or 0) / 1e6:>16.1f} {row['dataset_bytes'] / 1e6:>11.1f} "
               f"{row['data_wait_share']:>11.1%} {row['step_ms']:>8.1f} {row['step_ms_over_local']:>8.2f}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        from megatron_slmoe.utils.atomic import write_json_atomic
+
         report = {"benchmark": "data_pipeline", "machine": {
             "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
             "config": {k: v for k, v in vars(args).items() if k != "json"}, "endpoint": endpoint,
             "rows": rows}
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json_atomic(args.json, report)
         print(f"wrote {args.json}")
     return 0
 
