@@ -28,6 +28,7 @@ from megatron_slmoe.config.run import RunConfig, validate_run
 from megatron_slmoe.config.schema import hints, settings
 from megatron_slmoe.config.types import describe, is_list, is_optional, literal_choices, matches, \
     scalar_type
+from megatron_slmoe.utils.redact import redact_mapping
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -158,5 +159,9 @@ def build_run_config(values: dict[str, dict[str, Any]]) -> RunConfig:
 
 
 def to_yaml(run: RunConfig) -> str:
+    """The configuration as YAML (``--print-config``, every run's ``config.yaml``). Credentials
+    are not settings and URLs holding one are refused; anything that still looks like one is
+    masked all the same."""
     header = "# megatron_slmoe run configuration (feed back with --config FILE; flags win)\n"
-    return header + yaml.safe_dump(run.to_dict(), sort_keys=False, default_flow_style=False)
+    return header + yaml.safe_dump(redact_mapping(run.to_dict()), sort_keys=False,
+                                   default_flow_style=False)

@@ -31,10 +31,12 @@ class ModelSection(Section):
                                "file of TransformerConfig fields")
     base_checkpoint: Optional[str] = setting(
         None, flag="--base-checkpoint",
-        help="Megatron dist checkpoint with the base weights (default: random initialisation)")
+        help="Megatron dist checkpoint with the base weights, a directory or an s3:// / msc:// "
+             "prefix (default: random initialisation)")
     adapter_init: Optional[str] = setting(
         None, flag="--adapter-init",
-        help="start from this adapter directory instead of fresh LoRA weights")
+        help="start from this adapter (a directory or an s3:// / msc:// prefix) instead of "
+             "fresh LoRA weights")
     finetune_mode: Literal["lora", "full"] = setting(
         "lora", flag="--finetune-mode",
         help="'lora' trains adapters on a frozen base; 'full' trains every weight (how the "
@@ -46,6 +48,7 @@ class ModelSection(Section):
 
     def validate(self) -> None:
         self.check(bool(self.config), "config", "must name a model config")
+        check_locations(self, "base_checkpoint", "adapter_init")
         if self.finetune_mode == "full" and self.adapter_init:
             raise ConfigError("--adapter-init needs --finetune-mode lora")
 
@@ -179,14 +182,19 @@ class DataConfig(Section):
         help="instruction JSON lines, or a Megatron indexed dataset for pretraining")
     train_data: Optional[str] = setting(
         None, flag="--train-data",
-        help="instruction JSONL, or an indexed dataset prefix (default: the shipped demo data)")
-    valid_data: Optional[str] = setting(None, flag="--valid-data", help="held-out data")
+        help="instruction JSONL, or an indexed dataset prefix (default: the shipped demo data); "
+             "also an s3:// / msc:// URL, where one ending in '/' means every *.jsonl (or every "
+             "*.idx/*.bin pair) under it, in key order")
+    valid_data: Optional[str] = setting(None, flag="--valid-data",
+                                        help="held-out data (a path or URL, as --train-data)")
     tokenizer: Optional[str] = setting(None, flag="--tokenizer",
-                                       help="tokenizer.json (default: the shipped one)")
+                                       help="tokenizer.json, a path or an s3:// / msc:// URL "
+                                            "(default: the shipped one)")
     seq_length: int = setting(128, flag="--seq-length", help="tokens per sample")
 
     def validate(self) -> None:
         self.check_positive("seq_length")
+        check_locations(self, "train_data", "valid_data", "tokenizer")
 
 
 @dataclass(frozen=True)
@@ -285,6 +293,11 @@ class OutputConfig(Section):
     output_dir: Optional[str] = setting(
         None, flag="--output-dir",
         help="everything the run writes (default: runs/<time>); a rerun resumes from it")
+    output_url: Optional[str] = setting(
+        None, flag="--output-url",
+        help="s3:// or msc:// prefix that also receives the run's checkpoints, adapter, config, "
+             "metrics and summary (--output-dir stays the local staging area); a resumed run "
+             "fetches the newest stored checkpoint when it is newer than the local ones")
     tensorboard: bool = setting(True, flag="--tensorboard",
                                 help="write TensorBoard events (--no-tensorboard: off)")
     keep_last: int = setting(2, flag="--keep-last", help="full checkpoints to keep")
@@ -298,6 +311,72 @@ class OutputConfig(Section):
 
     def validate(self) -> None:
         self.check_positive("keep_last")
+        check_locations(self, "output_dir", "save_base", local_only=True)
+        check_locations(self, "output_url", url_only=True)
+
+
+@dataclass(frozen=True)
+class StorageConfig(Section):
+    """Object storage (s3:// and msc:// URLs) and the node-local cache. Credentials are not
+    settings: they come from the environment or a profile file (see megatron_slmoe.storage)."""
+
+    section_name = "storage"
+
+    cache_dir: Optional[str] = setting(
+        None, flag="--cache-dir",
+        help="node-local directory (NVMe) of the object cache, shared by the ranks of a node "
+             "(default: $SLMOE_CACHE_DIR, else a directory under /tmp)")
+    cache_max_gb: float = setting(
+        200.0, flag="--cache-max-gb",
+        help="size bound of the cache; the least recently used objects are evicted beyond it")
+    cache_revalidate_seconds: float = setting(
+        60.0, flag="--cache-revalidate-seconds",
+        help="a cached object whose ETag and size were checked against the store this recently "
+             "is used without asking again (0: check on every open)")
+    prefetch_shards: int = setting(
+        2, flag="--prefetch-shards",
+        help="data shards downloaded in the background ahead of the reader")
+    retry_timeout_seconds: float = setting(
+        1800.0, flag="--storage-retry-timeout",
+        help="how long one storage operation retries transient errors (endpoint down, HTTP 5xx, "
+             "timeouts) before the run fails; a run stalls meanwhile")
+    retry_backoff_seconds: float = setting(
+        0.5, flag="--storage-retry-backoff",
+        help="first retry delay; it doubles up to 30 s")
+    preflight_timeout_seconds: float = setting(
+        20.0, flag="--storage-preflight-timeout",
+        help="how long the start-up check of every object-storage URL retries before it refuses "
+             "the run")
+
+    def validate(self) -> None:
+        check_locations(self, "cache_dir", local_only=True)
+        self.check(self.cache_dir is None or bool(self.cache_dir), "cache_dir",
+                   "must be a non-empty path")
+        self.check_positive("cache_max_gb", "retry_timeout_seconds", "retry_backoff_seconds",
+                            "preflight_timeout_seconds")
+        self.check_non_negative("cache_revalidate_seconds", "prefetch_shards")
+
+
+def check_locations(section: Section, *names: str, local_only: bool = False,
+                    url_only: bool = False) -> None:
+    """Fields that name a local path or an ``s3://`` / ``msc://`` URL: a URL must be well formed
+    and carry no credentials (they come from the environment or a profile, never from a setting,
+    so none reaches config.yaml); ``local_only`` / ``url_only`` fields take just one kind."""
+    from megatron_slmoe.storage.urls import SCHEMES, is_object_url, parse_url
+
+    for name in names:
+        value = getattr(section, name)
+        if value is None:
+            continue
+        if is_object_url(value):
+            section.check(not local_only, name, f"{value} must be a local path")
+            try:
+                parse_url(value)
+            except ValueError as err:
+                section.fail(name, str(err))
+        else:
+            section.check(not url_only, name, f"{value}: expected an "
+                                              f"{' or '.join(s + '://' for s in SCHEMES)} URL")
 
 
 @dataclass(frozen=True)
@@ -313,6 +392,7 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     @classmethod
     def sections(cls) -> dict[str, type[Section]]:

@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import threading
 import time
 import uuid
@@ -61,6 +62,15 @@ from megatron_slmoe.utils.atomic import fsync_path, write_json_atomic
 log = logging.getLogger(__name__)
 
 URLLike = Union[str, ObjectURL]
+
+CACHE_DIR_ENV = "SLMOE_CACHE_DIR"
+
+
+def default_cache_dir() -> str:
+    """``$SLMOE_CACHE_DIR`` (the SLURM batch files point it at node-local scratch), else a
+    per-user directory under the system's temporary directory."""
+    return os.environ.get(CACHE_DIR_ENV) or os.path.join(tempfile.gettempdir(),
+                                                         f"slmoe-cache-{os.getuid()}")
 
 
 @dataclass
@@ -140,11 +150,11 @@ class NodeCache:
 
     def local_path(self, url: URLLike) -> str:
         """Where the node's copy of ``url`` lives (whether or not it is there now)."""
-        return self._paths(_url(url))[0]
+        return self._paths(parse_url(url))[0]
 
     def local_dir(self, prefix: URLLike) -> str:
         """Where the copies of the objects under ``prefix`` live."""
-        url = _url(prefix).as_prefix()
+        url = parse_url(prefix).as_prefix()
         return os.path.join(self.root, "objects", _namespace(url), *url.key.rstrip("/").split("/"))
 
     # -- fetching ------------------------------------------------------------------------------------
@@ -154,7 +164,7 @@ class NodeCache:
 
         ``info`` (from a listing just made) saves the HEAD when the entry must be checked.
         """
-        url = _url(url)
+        url = parse_url(url)
         path, meta_path, lock_path = self._paths(url)
         if self._fresh(path, meta_path) is not None:
             return self._hit(meta_path, path)
@@ -172,7 +182,7 @@ class NodeCache:
 
     def fetch_prefix(self, prefix: URLLike) -> tuple[str, list[str]]:
         """(local directory, local paths) of every object under ``prefix``."""
-        prefix = _url(prefix).as_prefix()
+        prefix = parse_url(prefix).as_prefix()
         infos = self.store.list(prefix)
         if not infos:
             raise ObjectNotFoundError(f"{prefix}: no objects under this prefix")
@@ -339,6 +349,3 @@ class NodeCache:
             for name, value in increments.items():
                 setattr(self.stats, name, getattr(self.stats, name) + value)
 
-
-def _url(url: URLLike) -> ObjectURL:
-    return url if isinstance(url, ObjectURL) else parse_url(url)

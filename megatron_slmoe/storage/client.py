@@ -222,7 +222,7 @@ class ObjectStore:
     def connect(self, url: Union[str, ObjectURL]) -> None:
         """Set up the client of ``url``'s bucket or profile now (it is otherwise made on first use),
         e.g. before timing a data path."""
-        self._client(url if isinstance(url, ObjectURL) else parse_url(url))
+        self._client(parse_url(url))
 
     def _client(self, url: ObjectURL):
         key = (url.scheme, url.authority)

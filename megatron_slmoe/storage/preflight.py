@@ -1,32 +1,39 @@
-"""The start-up check of every object-storage URL a run will use, before any process group forms.
+"""The start-up check of the object-storage URLs a run will use, before any process group forms.
 
-:func:`preflight_check` reads what the run will read (HEAD of each object, one listing page of
-each prefix) and writes what it will write (a small probe object under each output prefix,
-deleted again), with a short retry budget (``--storage-preflight-timeout``). The first problem
-is raised as one line naming the URL and the endpoint: wrong credentials, a missing bucket or
-key, an unreachable endpoint. :func:`preflight_or_exit` prints it and exits with code 2.
+:func:`check_readable` reads what the run will read (a HEAD of an object, one listing page of a
+prefix); :func:`check_writable` writes what it will write (a small probe object under an output
+prefix, deleted again). Both run on the store of :func:`preflight_store`, whose retry budget is
+short (``--storage-preflight-timeout``), and raise the first problem as one line naming the URL
+and the endpoint: wrong credentials, a missing bucket or key, an unreachable endpoint.
+``training/inputs.py`` names the flag and turns it into exit code 2.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import sys
-from typing import Iterable
 
+from megatron_slmoe.config.run import StorageConfig
 from megatron_slmoe.storage.client import ObjectStore, access_denied, describe_endpoint
-from megatron_slmoe.storage.config import StorageConfig
 from megatron_slmoe.storage.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     ObjectNotFoundError,
-    StorageError,
 )
 from megatron_slmoe.storage.retry import RetryPolicy
-from megatron_slmoe.storage.urls import ObjectURL, parse_url
+from megatron_slmoe.storage.urls import ObjectURL
 
 
-def _readable(store: ObjectStore, url: ObjectURL) -> None:
+def preflight_store(settings: StorageConfig, store: ObjectStore | None = None) -> ObjectStore:
+    """``store`` (or a new one) under the start-up check's short retry policy."""
+    policy = RetryPolicy(settings.preflight_timeout_seconds, settings.retry_backoff_seconds,
+                         max_backoff_s=max(settings.retry_backoff_seconds, 2.0),
+                         flag="--storage-preflight-timeout")
+    return store.with_retry(policy) if store is not None else ObjectStore(policy)
+
+
+def check_readable(store: ObjectStore, url: ObjectURL) -> None:
+    """The object exists (or, for a prefix, some object under it) and may be read."""
     bucket_root = ObjectURL(url.scheme, url.authority, "")
     try:
         if url.is_prefix:
@@ -55,35 +62,8 @@ def _readable(store: ObjectStore, url: ObjectURL) -> None:
         raise
 
 
-def _writable(store: ObjectStore, prefix: ObjectURL) -> None:
+def check_writable(store: ObjectStore, prefix: ObjectURL) -> None:
+    """Objects may be written (and deleted) under ``prefix``."""
     probe = prefix.as_prefix().join(f".slmoe-write-check-{socket.gethostname()}-{os.getpid()}")
     store.put_bytes(probe, b"")
     store.delete(probe)
-
-
-def preflight_check(inputs: Iterable, outputs: Iterable = (), config: StorageConfig = None,
-                    store: ObjectStore = None) -> None:
-    """Raise a one-line :class:`StorageError` unless every input URL is readable and every
-    output prefix writable. Local paths among them are ignored."""
-    from megatron_slmoe.storage.urls import is_object_url
-
-    config = config or StorageConfig()
-    policy = RetryPolicy(config.preflight_timeout_s, config.retry_backoff_s,
-                         max_backoff_s=max(config.retry_backoff_s, 2.0),
-                         flag="--storage-preflight-timeout")
-    store = store.with_retry(policy) if store is not None else ObjectStore(policy)
-    for url in (parse_url(u) if not isinstance(u, ObjectURL) else u for u in inputs
-                if isinstance(u, ObjectURL) or is_object_url(u)):
-        _readable(store, url)
-    for url in (parse_url(u) if not isinstance(u, ObjectURL) else u for u in outputs
-                if isinstance(u, ObjectURL) or is_object_url(u)):
-        _writable(store, url)
-
-
-def preflight_or_exit(inputs: Iterable, outputs: Iterable = (), config: StorageConfig = None) -> None:
-    """:func:`preflight_check` for a command line: one line on stderr and exit code 2."""
-    try:
-        preflight_check(inputs, outputs, config)
-    except StorageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None

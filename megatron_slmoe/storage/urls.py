@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_slmoe.storage.errors import StorageConfigError
+from megatron_slmoe.utils.redact import MASK
 
 SCHEMES = ("s3", "msc")
 _URL = re.compile(r"^(?P<scheme>[a-z0-9]+)://(?P<authority>[^/]*)(?:/(?P<key>.*))?$")
@@ -29,7 +30,8 @@ _USERINFO = re.compile(r"^[^@/]*:[^@]*@")  # "user:secret@" before the bucket
 
 def is_object_url(path) -> bool:
     """Whether ``path`` is an object-storage URL (rather than a local path)."""
-    return isinstance(path, str) and any(path.startswith(f"{s}://") for s in SCHEMES)
+    return isinstance(path, ObjectURL) or (
+        isinstance(path, str) and any(path.startswith(f"{s}://") for s in SCHEMES))
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,10 @@ class ObjectURL:
 
 
 def parse_url(text) -> ObjectURL:
-    """Parse an ``s3://`` or ``msc://`` URL; a one-line :class:`StorageConfigError` if malformed."""
+    """Parse an ``s3://`` or ``msc://`` URL (an ObjectURL comes back as it is); a one-line
+    :class:`StorageConfigError` if malformed."""
+    if isinstance(text, ObjectURL):
+        return text
     text = os.fspath(text) if not isinstance(text, str) else text
     match = _URL.match(text)
     if match is None or match.group("scheme") not in SCHEMES:
@@ -84,7 +89,7 @@ def parse_url(text) -> ObjectURL:
     rest = text.split("://", 1)[1]
     if "@" in authority or _USERINFO.match(rest):
         # Never echo it: the part before "@" is a credential (a secret key may hold a "/").
-        raise StorageConfigError(f"{scheme}://...@{rest.rsplit('@', 1)[-1]}: credentials do "
+        raise StorageConfigError(f"{scheme}://{MASK}@{rest.rsplit('@', 1)[-1]}: credentials do "
                                  "not belong in the URL; set them in the environment or a profile")
     pattern, what = (_BUCKET, "bucket") if scheme == "s3" else (_PROFILE, "profile")
     if not pattern.match(authority):

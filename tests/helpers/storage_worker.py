@@ -30,13 +30,14 @@ def import_storage_only() -> None:
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     import_storage_only()
-    from megatron_slmoe.storage import Storage, StorageConfig
+    from megatron_slmoe.config.run import StorageConfig
+    from megatron_slmoe.storage import Storage
 
     storage = Storage(StorageConfig(cache_dir=spec["cache_dir"],
                                     cache_max_gb=spec.get("cache_max_gb", 1.0),
-                                    cache_revalidate_s=spec.get("revalidate_s", 60.0),
+                                    cache_revalidate_seconds=spec.get("revalidate_s", 60.0),
                                     prefetch_shards=spec.get("prefetch", 2),
-                                    retry_timeout_s=spec.get("retry_timeout_s", 60.0)))
+                                    retry_timeout_seconds=spec.get("retry_timeout_s", 60.0)))
     start_at = spec.get("start_at")  # wall-clock time: the ranks of a test start together
     if start_at:
         time.sleep(max(0.0, start_at - time.time()))

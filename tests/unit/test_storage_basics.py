@@ -4,13 +4,12 @@ Redaction is checked against the secret strings themselves (they must not appear
 ordinary text that looks similar (it must come back unchanged).
 """
 
-import argparse
 import logging
 import sys
 
 import pytest
 
-from megatron_slmoe.storage import StorageConfig, parse_url
+from megatron_slmoe.storage import parse_url
 from megatron_slmoe.storage.errors import (
     AccessDeniedError,
     StorageConfigError,
@@ -139,23 +138,65 @@ def test_credentials_in_a_url_are_refused_without_echoing_them():
 # --- settings -------------------------------------------------------------------------------------
 
 
-def test_settings_defaults_flags_and_validation(monkeypatch, tmp_path):
+def _parse(*argv):
+    from megatron_slmoe.config.cli import parse_command_line
+
+    return parse_command_line(list(argv), prog="t", description="", world_size=0).run
+
+
+def test_settings_come_from_the_run_configuration(monkeypatch, tmp_path):
+    from megatron_slmoe.storage import Storage
+
     monkeypatch.setenv("SLMOE_CACHE_DIR", str(tmp_path / "nvme"))
-    assert StorageConfig().cache_dir == str(tmp_path / "nvme")
-    parser = argparse.ArgumentParser()
-    StorageConfig.add_arguments(parser)
-    config = StorageConfig.from_args(parser.parse_args(
-        ["--cache-max-gb", "2.5", "--prefetch-shards", "4", "--output-url", "s3://bucket/run"]))
-    assert (config.cache_max_bytes, config.prefetch_shards, config.output_url) == (
-        int(2.5 * 2**30), 4, "s3://bucket/run")
-    assert config.cache_dir == str(tmp_path / "nvme")  # unset flags keep the defaults
-    config.validate()
-    for bad, flag in [(dict(cache_max_gb=0), "--cache-max-gb"),
-                      (dict(prefetch_shards=-1), "--prefetch-shards"),
-                      (dict(output_url="/local/dir"), "--output-url"),
-                      (dict(cache_dir="s3://bucket/x"), "--cache-dir")]:
-        with pytest.raises(ValueError, match=flag):
-            StorageConfig(**bad).validate()
+    run = _parse("--cache-max-gb", "2.5", "--prefetch-shards", "4",
+                 "--output-url", "s3://bucket/run")
+    assert (run.storage.prefetch_shards, run.output.output_url) == (4, "s3://bucket/run")
+    assert run.storage.cache_dir is None  # the node's choice, resolved where the cache is made
+    cache = Storage(run.storage).cache
+    assert (cache.root, cache.max_bytes) == (str(tmp_path / "nvme"), int(2.5 * 2**30))
+    assert Storage(_parse("--cache-dir", "/local/x").storage).cache_dir == "/local/x"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--cache-max-gb", "0"], "storage.cache_max_gb: --cache-max-gb must be positive"),
+    (["--prefetch-shards", "-1"], "storage.prefetch_shards: --prefetch-shards must be >= 0"),
+    (["--cache-dir", "s3://bucket/x"], "storage.cache_dir: --cache-dir s3://bucket/x must be a "
+                                       "local path"),
+    (["--output-url", "/local/dir"], "output.output_url: --output-url /local/dir: expected an "
+                                     "s3:// or msc:// URL"),
+    (["--output-dir", "s3://bucket/x"], "--output-dir s3://bucket/x must be a local path"),
+    (["--train-data", "s3://Bad_Bucket/x"], "data.train_data: --train-data s3://Bad_Bucket/x: "
+                                            "'Bad_Bucket' is not a valid bucket name"),
+])
+def test_bad_settings_are_one_line_naming_the_flag(argv, needle):
+    from megatron_slmoe.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _parse(*argv)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("flag, key", [
+    ("--train-data", "data.train_data"), ("--tokenizer", "data.tokenizer"),
+    ("--base-checkpoint", "model.base_checkpoint"), ("--adapter-init", "model.adapter_init"),
+    ("--output-url", "output.output_url")])
+def test_credentials_in_a_url_setting_never_reach_the_config_or_the_error(aws_env, flag, key,
+                                                                         capsys):
+    """A URL with credentials in it is refused in one line naming the setting but not the secret
+    (before --print-config prints anything); the dump of a configuration (``--print-config``, a
+    run's config.yaml) masks the environment's secrets wherever they appear."""
+    from megatron_slmoe.config.cli import to_yaml
+    from megatron_slmoe.training.finetune import main
+
+    for key_id, secret in ((KEY_ID, SECRET), ("someone", "plainsecret123")):
+        url = f"s3://{key_id}:{secret}@bucket/key"
+        assert main([flag, url, "--print-config"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"error: {key}: {flag} s3://{MASK}@bucket/key: "), err
+        assert "credentials do not belong in the URL" in err and err.count("\n") == 1
+        assert secret not in err and key_id not in err
+    dumped = to_yaml(_parse("--output-dir", f"runs/{SECRET}"))
+    assert SECRET not in dumped and f"runs/{MASK}" in dumped
 
 
 # --- retries --------------------------------------------------------------------------------------
