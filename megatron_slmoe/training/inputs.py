@@ -1,6 +1,11 @@
 """Checks of a run made before any process group forms: by the launcher (``--validate-only``,
 before torchrun) and by every run at start-up. Each problem is one ConfigError line naming the
-flag and the file."""
+flag and the file (or the URL).
+
+Settings may name local paths or ``s3://`` / ``msc://`` URLs: local paths must exist; URLs are
+checked against the store (readable inputs, a writable ``--output-url``) once per node, by its
+local rank 0, so that a wrong credential, a missing bucket or key, or an unreachable endpoint
+stops the run here instead of in the middle of start-up."""
 
 from __future__ import annotations
 
@@ -17,28 +22,75 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     from megatron_slmoe.model.config import load_model_config
 
     _check_paths(run)
+    _check_object_storage(run)
     model_config = load_model_config(run.model.config)
     _check_data(run, model_config)
     _check_memory(run, world_size, platform, model_config)
 
 
 def _check_paths(run: RunConfig) -> None:
+    from megatron_slmoe.storage.urls import is_object_url
+
     model, data = run.model, run.data
     for flag, path in (("--base-checkpoint", model.base_checkpoint),
                        ("--adapter-init", model.adapter_init), ("--tokenizer", data.tokenizer)):
-        if path and not os.path.exists(path):
+        if path and not is_object_url(path) and not os.path.exists(path):
             raise ConfigError(f"{flag} {path}: no such file or directory")
     if data.format == "instruction":
         for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
-            if path and not os.path.isfile(path):
+            if path and not is_object_url(path) and not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file")
 
 
+def object_inputs(run: RunConfig) -> list[tuple[str, str]]:
+    """(flag, URL) of every object or prefix the run reads from object storage."""
+    from megatron_slmoe.storage.session import indexed_dataset_files
+    from megatron_slmoe.storage.urls import is_object_url, parse_url
+
+    model, data = run.model, run.data
+    found = [(flag, str(parse_url(url).as_prefix())) for flag, url in (
+        ("--base-checkpoint", model.base_checkpoint), ("--adapter-init", model.adapter_init))
+        if is_object_url(url)]  # directories: every object under the prefix
+    if is_object_url(data.tokenizer):
+        found.append(("--tokenizer", data.tokenizer))
+    for flag, url in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
+        if not is_object_url(url):
+            continue
+        if data.format == "pretrain" and not url.endswith("/"):  # a dataset prefix: two objects
+            found += [(flag, name) for name in indexed_dataset_files(url)]
+        else:
+            found.append((flag, url))
+    return found
+
+
+def _check_object_storage(run: RunConfig) -> None:
+    """Every URL of the run usable (see the module doc); the other ranks of a node rely on its
+    local rank 0, whose failure stops the job before the process group has formed."""
+    from megatron_slmoe.storage.errors import StorageError
+    from megatron_slmoe.storage.preflight import check_readable, check_writable, preflight_store
+    from megatron_slmoe.storage.urls import parse_url
+
+    inputs = object_inputs(run)
+    if not (inputs or run.output.output_url) or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return
+    store = preflight_store(run.storage)
+    checks = [(flag, url, check_readable) for flag, url in inputs]
+    if run.output.output_url:
+        checks.append(("--output-url", run.output.output_url, check_writable))
+    for flag, url, check in checks:
+        try:
+            check(store, parse_url(url))
+        except StorageError as err:
+            raise ConfigError(f"{flag}: {err}") from None
+
+
 def _check_data(run: RunConfig, model_config) -> None:
-    """The tokenizer and the sequence length against the model."""
+    """The tokenizer (through the node cache if it is an object) and the sequence length against
+    the model."""
     from megatron_slmoe.data.assets import asset_path
     from megatron_slmoe.data.errors import DataError
     from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.storage import Storage, StorageError
 
     data = run.data
     if data.seq_length > model_config.max_sequence_length:
@@ -46,12 +98,14 @@ def _check_data(run: RunConfig, model_config) -> None:
                           f"max_sequence_length {model_config.max_sequence_length} "
                           f"({model_config.source})")
     try:
-        tokenizer = load_tokenizer(data.tokenizer or asset_path("tokenizer.json"))
-    except DataError as err:
+        tokenizer = load_tokenizer(Storage(run.storage).local_file(data.tokenizer)
+                                   if data.tokenizer else asset_path("tokenizer.json"))
+    except (DataError, StorageError) as err:
         raise ConfigError(f"--tokenizer: {err}") from None
     if tokenizer.vocab_size > model_config.vocab_size:
-        raise ConfigError(f"--tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more "
-                          f"than the model's vocab_size {model_config.vocab_size}")
+        raise ConfigError(f"--tokenizer {data.tokenizer or tokenizer.path} has "
+                          f"{tokenizer.vocab_size} tokens, more than the model's vocab_size "
+                          f"{model_config.vocab_size}")
 
 
 def memory_check(run: RunConfig, world_size: int, platform, model_config):

@@ -37,8 +37,11 @@ NON_DEFAULT = {
                  "seed": 7},
     "monitor": {"window": 9, "starved_fraction": 0.2, "starved_patience": 4,
                 "dominant_fraction": 0.6, "action": "stop", "jsonl_path": "routing.jsonl"},
-    "output": {"output_dir": "out", "tensorboard": False, "keep_last": 3, "resume": False,
-               "save_base": None},
+    "output": {"output_dir": "out", "output_url": "s3://bucket/runs/a", "tensorboard": False,
+               "keep_last": 3, "resume": False, "save_base": None},
+    "storage": {"cache_dir": "nvme/cache", "cache_max_gb": 12.5, "cache_revalidate_seconds": 0.0,
+                "prefetch_shards": 4, "retry_timeout_seconds": 120.0,
+                "retry_backoff_seconds": 0.25, "preflight_timeout_seconds": 5.0},
 }
 # save_base needs --finetune-mode full, which excludes --adapter-init: checked on its own below.
 
