@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_slmoe.storage import Storage, StorageConfig, StorageError, preflight_or_exit
+from megatron_slmoe.config.run import StorageConfig
+from megatron_slmoe.storage import Storage, StorageError
 from megatron_slmoe.storage.cache import NodeCache
 from megatron_slmoe.storage.errors import CacheError, ObjectNotFoundError
+from megatron_slmoe.storage.preflight import check_readable, preflight_store
 from megatron_slmoe.storage.transfer import OutputMirror, download_tree, upload_tree
-from megatron_slmoe.utils.manifest import MANIFEST
 from megatron_slmoe.storage.urls import parse_url
+from megatron_slmoe.utils.manifest import MANIFEST
 from tests.helpers.s3_server import S3TestServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +58,7 @@ def _objects(count: int, size: int, prefix: str = "shards/") -> dict[str, bytes]
 
 
 def _storage(cache_dir, **settings) -> Storage:
-    settings.setdefault("retry_timeout_s", 60.0)
+    settings.setdefault("retry_timeout_seconds", 60.0)
     return Storage(StorageConfig(cache_dir=str(cache_dir), **settings))
 
 
@@ -104,20 +106,20 @@ def test_warm_cache_is_reused_across_restarts_and_a_changed_object_is_fetched_ag
     objects = _objects(3, 10_000)
     _put(s3_server, bucket, objects)
     urls = [f"s3://{bucket}/{key}" for key in objects]
-    first = _storage(tmp_path, cache_revalidate_s=0)
+    first = _storage(tmp_path, cache_revalidate_seconds=0)
     paths = first.local_files(urls)
     assert [Path(p).read_bytes() for p in paths] == list(objects.values())
     s3_server.reset_counts()
 
     # A restart (a new process's cache object) with a check on every open: HEADs, no GETs.
-    restarted = _storage(tmp_path, cache_revalidate_s=0)
+    restarted = _storage(tmp_path, cache_revalidate_seconds=0)
     assert restarted.local_files(urls) == paths
     assert s3_server.requests("GET") == 0 and s3_server.requests("HEAD") == len(urls)
     assert restarted.cache.stats.revalidations == len(urls)
 
     # Within the revalidation window another process trusts the node's check: no request at all.
     s3_server.reset_counts()
-    assert _storage(tmp_path, cache_revalidate_s=3600).local_files(urls) == paths
+    assert _storage(tmp_path, cache_revalidate_seconds=3600).local_files(urls) == paths
     assert s3_server.requests() == 0
 
     # The object changes on the store (same size): the next check sees the ETag and refetches.
@@ -125,7 +127,7 @@ def test_warm_cache_is_reused_across_restarts_and_a_changed_object_is_fetched_ag
     changed = os.urandom(len(objects[key]))
     _put(s3_server, bucket, {key: changed})
     s3_server.reset_counts()
-    path = _storage(tmp_path, cache_revalidate_s=0).local_file(f"s3://{bucket}/{key}")
+    path = _storage(tmp_path, cache_revalidate_seconds=0).local_file(f"s3://{bucket}/{key}")
     assert Path(path).read_bytes() == changed
     assert s3_server.requests("GET", f"/{bucket}/{key}") == 1
 
@@ -174,11 +176,41 @@ profiles:
     with pytest.raises(StorageError, match="no profile 'nope'"):
         storage.local_file("msc://nope/d/x.bin")
     with pytest.raises(StorageError) as info:
-        storage.preflight(["msc://broken/d/x.bin"])
+        check_readable(preflight_store(storage.config, storage.store),
+                       parse_url("msc://broken/d/x.bin"))
     assert "msc://broken/d/x.bin" in str(info.value) and "access denied" in str(info.value)
     from megatron_slmoe.utils.redact import redact
 
     assert inline_secret not in redact(f"something about {inline_secret}")
+
+
+def test_data_settings_resolve_to_local_files_in_key_order(s3_server, bucket, tmp_path):
+    """What training/data_sources.py asks of a data setting: an object, a prefix of JSONL shards,
+    an indexed-dataset prefix (its .idx and .bin) or a prefix of several; local paths pass."""
+    objects = {"jsonl/b.jsonl": b"b\n", "jsonl/a.jsonl": b"a\n", "jsonl/notes.txt": b"-",
+               "ds/y.idx": os.urandom(100), "ds/y.bin": os.urandom(3000),
+               "ds/x.idx": os.urandom(90), "ds/x.bin": os.urandom(2000)}
+    _put(s3_server, bucket, objects)
+    storage = _storage(tmp_path / "nvme")
+    root = f"s3://{bucket}"
+
+    def read(path):
+        return Path(path).read_bytes()
+
+    assert [read(p) for p in storage.local_shards(f"{root}/jsonl/", ".jsonl")] == [b"a\n", b"b\n"]
+    assert [read(p) for p in storage.local_shards(f"{root}/jsonl/b.jsonl", ".jsonl")] == [b"b\n"]
+    assert storage.local_shards("/local/x.jsonl", ".jsonl") == ["/local/x.jsonl"]
+    prefixes = storage.local_indexed_datasets(f"{root}/ds/")
+    assert [Path(p).name for p in prefixes] == ["x", "y"]
+    for prefix, name in zip(prefixes, "xy"):
+        for suffix in (".idx", ".bin"):
+            assert read(prefix + suffix) == objects[f"ds/{name}{suffix}"]
+    assert storage.local_indexed_datasets(f"{root}/ds/y") == [prefixes[1]]
+    assert storage.local_indexed_datasets("/local/corpus") == ["/local/corpus"]
+    for key in objects:
+        assert s3_server.requests("GET", f"/{bucket}/{key}") == (0 if key.endswith(".txt") else 1)
+    with pytest.raises(ObjectNotFoundError, match="no '\\*.jsonl' objects"):
+        storage.local_shards(f"{root}/ds/", ".jsonl")
 
 
 # --- size bound -----------------------------------------------------------------------------------
@@ -189,7 +221,7 @@ def test_cache_stays_within_its_bound_evicting_least_recently_used(s3_server, bu
     objects = {f"lru/{name}.bin": os.urandom(size) for name in "abcd"}
     _put(s3_server, bucket, objects)
     url = {name: f"s3://{bucket}/lru/{name}.bin" for name in "abcd"}
-    cache = _storage(tmp_path, cache_max_gb=3.5 * size / 2**30, cache_revalidate_s=3600).cache
+    cache = _storage(tmp_path, cache_max_gb=3.5 * size / 2**30, cache_revalidate_seconds=3600).cache
     for name in "abc":
         cache.fetch(url[name])
         time.sleep(0.05)  # distinct last-use times
@@ -212,7 +244,7 @@ def test_reads_survive_the_server_going_down_mid_transfer(s3_server, bucket, tmp
     keys = list(objects)
     s3_server.reset_counts()
     s3_server.outage_on("GET", f"/{bucket}/{keys[2]}", seconds=3.0)
-    storage = _storage(tmp_path / "nvme", prefetch_shards=1, retry_backoff_s=0.2)
+    storage = _storage(tmp_path / "nvme", prefetch_shards=1, retry_backoff_seconds=0.2)
     started = time.monotonic()
     with storage.prefetcher([f"s3://{bucket}/{k}" for k in keys]) as shards:
         got = [Path(path).read_bytes() for path in shards]
@@ -252,38 +284,47 @@ def test_kill_during_download_leaves_nothing_trusted(s3_server, bucket, tmp_path
 # --- start-up checks ------------------------------------------------------------------------------
 
 
-def _preflight_line(capsys, inputs, outputs=(), **settings) -> str:
-    with pytest.raises(SystemExit) as info:
-        preflight_or_exit(inputs, outputs, StorageConfig(preflight_timeout_s=1.0, **settings))
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: "), err
-    return err
+def _validate_only(capsys, *flags) -> tuple[int, str]:
+    """The entry point's pre-launch check (as the launcher runs it before torchrun)."""
+    import torch
+
+    from megatron_slmoe.training.finetune import main
+
+    initialised = torch.distributed.is_initialized()
+    code = main(["--validate-only", "--storage-preflight-timeout", "1", *flags])
+    assert torch.distributed.is_initialized() == initialised  # no process group was formed
+    return code, capsys.readouterr().err
 
 
-def test_preflight_names_the_url_in_one_line_without_secrets(s3_server, bucket, monkeypatch,
-                                                             capsys):
+def test_start_up_check_names_the_flag_and_url_in_one_line_without_secrets(
+        s3_server, bucket, monkeypatch, capsys):
     _put(s3_server, bucket, {"data/train.jsonl": b"{}\n"})
     good = f"s3://{bucket}/data/train.jsonl"
     secret = s3_server.secret_access_key
-    preflight_or_exit([good, f"s3://{bucket}/data/"], [f"s3://{bucket}/runs/x/"],
-                      StorageConfig(preflight_timeout_s=1.0))  # all fine: returns
+    assert _validate_only(capsys, "--train-data", good, "--valid-data", f"s3://{bucket}/data/",
+                          "--output-url", f"s3://{bucket}/runs/x") == (0, "")
 
     cases = [
-        ({"AWS_SECRET_ACCESS_KEY": "not-the-secret-0123"}, good, "SignatureDoesNotMatch"),
-        ({"AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000"}, good, "InvalidAccessKeyId"),
-        ({}, "s3://no-such-bucket-x/data/train.jsonl", "bucket 'no-such-bucket-x' does not exist"),
-        ({}, f"s3://{bucket}/data/missing.jsonl", "no such object"),
-        ({"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, good, "cannot connect to http://127.0.0.1:9"),
+        ({"AWS_SECRET_ACCESS_KEY": "not-the-secret-0123"}, "--train-data", good,
+         "SignatureDoesNotMatch"),
+        ({"AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000"}, "--train-data", good, "InvalidAccessKeyId"),
+        ({}, "--train-data", "s3://no-such-bucket-x/data/train.jsonl",
+         "bucket 'no-such-bucket-x' does not exist"),
+        ({}, "--valid-data", f"s3://{bucket}/data/missing.jsonl", "no such object"),
+        ({}, "--adapter-init", f"s3://{bucket}/adapters/none/", "no objects under this prefix"),
+        ({}, "--output-url", "s3://no-such-bucket-y/run", "bucket"),
+        ({"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "--tokenizer", good,
+         "cannot connect to http://127.0.0.1:9"),
     ]
-    for env, url, reason in cases:
+    for env, flag, url, reason in cases:
         with monkeypatch.context() as patch:
             for name, value in env.items():
                 patch.setenv(name, value)
-            line = _preflight_line(capsys, [url])
-        assert url in line and reason in line, line
-        assert secret not in line and s3_server.access_key_id not in line
-        assert "not-the-secret-0123" not in line
+            code, err = _validate_only(capsys, flag, url)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: {flag}: ") and url in err and reason in err, err
+        assert secret not in err and s3_server.access_key_id not in err
+        assert "not-the-secret-0123" not in err
 
 
 # --- outputs --------------------------------------------------------------------------------------
@@ -303,8 +344,8 @@ def _checkpoint(root: Path, iteration: int) -> Path:
 
 
 def test_outputs_reach_the_store_complete_or_not_at_all(s3_server, bucket, tmp_path):
-    storage = _storage(tmp_path / "nvme", output_url=f"s3://{bucket}/run")
-    mirror = storage.output_mirror(keep_last=2)
+    storage = _storage(tmp_path / "nvme")
+    mirror = storage.output_mirror(f"s3://{bucket}/run", keep_last=2)
     local = tmp_path / "checkpoints"
     for iteration in (5, 10, 15):
         mirror.submit_checkpoint(str(_checkpoint(local, iteration)))
