@@ -5,7 +5,9 @@
 Megatron-Core does the work: parallel_state, GPTModel with our MoE layers, DDP and the
 (distributed) optimizer over the trainable parameters only, the pipeline schedules, dist
 checkpointing. This module wires them together: arguments, base weights, LoRA, data, the loop,
-evaluation, logging, checkpoints with automatic resume, the adapter and a summary.
+evaluation, logging, checkpoints with automatic resume, the adapter and a summary. Inputs may be
+read from object storage (``s3://``, ``msc://``) and outputs mirrored to it (``--output-url``;
+megatron_slmoe.storage).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Optional
 import torch
 
 from megatron_slmoe.utils.atomic import write_json_atomic
+from megatron_slmoe.utils.redact import redact_mapping
 
 log = logging.getLogger("megatron_slmoe.training")
 
@@ -56,13 +59,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     if command.validate_only:
         return 0
     # Our progress lines and data summaries from rank 0; everyone's warnings; not Megatron's
-    # INFO chatter (it prints whole configs).
+    # INFO chatter (it prints whole configs). No credential reaches a log line.
+    from megatron_slmoe.utils.redact import install_log_redaction
+
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    install_log_redaction()
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megatron_slmoe").setLevel(logging.INFO)
     import megatron_slmoe
+    from megatron_slmoe.storage import StorageError
 
-    return Trainer(command.run, megatron_slmoe.PLATFORM).run()
+    try:
+        return Trainer(command.run, megatron_slmoe.PLATFORM).run()
+    except StorageError as err:  # a store that stayed unusable past its retries: one line
+        log.error("error: %s", err)
+        return 1
 
 
 class Trainer:
@@ -79,6 +90,7 @@ class Trainer:
 
         from megatron_slmoe.model.config import load_model_config
         from megatron_slmoe.moe.monitor import RoutingMonitor
+        from megatron_slmoe.storage import Storage
         from megatron_slmoe.training import model_setup
         from megatron_slmoe.training.data_sources import build_sources
 
@@ -86,6 +98,10 @@ class Trainer:
         model_setup.init_distributed(run.parallel, run.schedule.seed, self.platform)
         self.rank = torch.distributed.get_rank()
         run = self.run_config = self._resolve(run)
+        self.storage = Storage(run.storage)
+        # Rank 0 copies checkpoints, adapter and summary to --output-url (None without one).
+        self.mirror = self.storage.output_mirror(run.output.output_url, run.output.keep_last) \
+            if self.rank == 0 else None
         self.output_dir = run.output.output_dir
         self.model_config = model_setup.model_config_for_run(
             load_model_config(run.model.config), run.moe, run.model.finetune_mode,
@@ -94,7 +110,7 @@ class Trainer:
         model, self.config = model_setup.build_model(self.model_config, run.parallel, self.bf16,
                                                      self.platform)
         if run.model.base_checkpoint:
-            model_setup.load_base_weights(model, run.model.base_checkpoint)
+            model_setup.load_base_weights(model, self.storage.local_dir(run.model.base_checkpoint))
         self.lora_config = None
         if run.model.finetune_mode == "lora":
             self._inject_lora(model)
@@ -107,7 +123,7 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.train, self.valid, self.tokenizer = build_sources(run.data, run.schedule,
-                                                               self.output_dir)
+                                                               self.output_dir, self.storage)
         self._num_microbatches = run.schedule.global_batch_size // (
             run.schedule.micro_batch_size * self.dp_size)
         self.writer = None
@@ -144,7 +160,7 @@ class Trainer:
         self.lora_config = self.run_config.lora
         inject_lora([model], self.lora_config)
         if self.run_config.model.adapter_init:
-            load_adapter([model], self.run_config.model.adapter_init)
+            load_adapter([model], self.storage.local_dir(self.run_config.model.adapter_init))
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -230,7 +246,7 @@ class Trainer:
         schedule, output = self.run_config.schedule, self.run_config.output
         ckpt_root = os.path.join(self.output_dir, "checkpoints")
         iteration, consumed, eval_before = 0, 0, None
-        resume_from = checkpointing.find_resumable(ckpt_root) if output.resume else None
+        resume_from = self._resume_point(ckpt_root) if output.resume else None
         if resume_from:
             state = checkpointing.load_checkpoint(resume_from, [self.model], self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
@@ -270,11 +286,31 @@ class Trainer:
             if self.writer:
                 self.writer.write(record)
             if iteration % schedule.save_interval == 0 or last:
-                checkpointing.save_checkpoint(
+                if self.mirror is not None:  # the previous upload ends before pruning can start
+                    self.mirror.wait()
+                saved = checkpointing.save_checkpoint(
                     ckpt_root, iteration, [self.model], self.optimizer,
                     {"consumed_samples": consumed, "scheduler": self.scheduler.state_dict(),
                      "eval_loss_before": eval_before}, output.keep_last)
+                if self.mirror is not None:
+                    self.mirror.submit_checkpoint(saved)
         return self._finish(eval_before, eval_loss, iteration)
+
+    def _resume_point(self, ckpt_root: str) -> Optional[str]:
+        """The newest intact local checkpoint, or with --output-url the newest complete stored one
+        when it is newer (rank 0 fetches it into the output directory; every rank gets the
+        answer)."""
+        from megatron_slmoe.training import checkpointing
+
+        local = checkpointing.find_resumable(ckpt_root)
+        if not self.run_config.output.output_url:
+            return local
+        restored = [None]
+        if self.mirror is not None:
+            restored[0] = self.mirror.restore_checkpoint(
+                ckpt_root, os.path.basename(local) if local else None)
+        torch.distributed.broadcast_object_list(restored, src=0)
+        return restored[0] or local
 
     def _finish(self, eval_before: float, eval_after: float, iteration: int) -> int:
         adapter_dir = None
@@ -296,9 +332,15 @@ class Trainer:
             summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after,
                        "steps": iteration, "adapter_dir": adapter_dir,
                        "output_dir": self.output_dir,
+                       "output_url": self.run_config.output.output_url,
                        "finetune_mode": self.run_config.model.finetune_mode,
-                       "expert_load_last_step": load, "collapse_warnings": self.collapse_warnings}
-            write_json_atomic(os.path.join(self.output_dir, "summary.json"), summary)
+                       "expert_load_last_step": load, "collapse_warnings": self.collapse_warnings,
+                       "node_cache": self.storage.cache.stats.as_dict()
+                       if self.storage.cache_in_use else None}
+            write_json_atomic(os.path.join(self.output_dir, "summary.json"),
+                              redact_mapping(summary))
+            if self.mirror is not None:
+                self._upload_outputs(adapter_dir)
             worst = max((m["imbalance"] for m in load.values()), default=float("nan"))
             dead = sum(m["dead_experts_window"] for m in load.values())
             self._info(f"[finetune] expert load: worst imbalance (max/mean) {worst:.2f} over "
@@ -314,6 +356,16 @@ class Trainer:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
         return 0
+
+    def _upload_outputs(self, adapter_dir: Optional[str]) -> None:
+        """The run's outputs to --output-url once its last checkpoint is there; the summary last:
+        its presence on the store means the run is complete there."""
+        self.mirror.wait()
+        if adapter_dir:
+            self.mirror.upload_directory(adapter_dir, "adapter")
+        for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+            self.mirror.upload_file(os.path.join(self.output_dir, name), name)
+        self._info(f"[finetune] outputs on the store: {self.run_config.output.output_url}")
 
     def _aux_losses(self) -> dict[str, float]:
         """The step's load-balancing / z losses from Megatron's aux-loss tracker (summed over
