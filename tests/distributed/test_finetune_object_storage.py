@@ -1,0 +1,120 @@
+"""The fine-tuning job on 2 real ranks (torchrun, gloo) with its data, tokenizer and outputs on an
+S3 server (moto's server mode on 127.0.0.1; requests counted on the server side):
+
+- run A reads sharded training data, held-out data and the tokenizer from the store, each object
+  downloaded once for the node (not once per rank), and writes its checkpoints, adapter, config,
+  metrics and summary back (the adapter on the store is byte for byte the local one; no secret in
+  the config or the summary);
+- the store's newest checkpoint is then made incomplete (its manifest removed, as an upload cut
+  short leaves it); run B, on a fresh local directory and a cold cache, resumes from the newest
+  *complete* stored checkpoint while the server goes down for a few seconds in the middle of its
+  checkpoint upload, and reproduces run A's losses exactly.
+
+The start-up check of the URLs (a wrong secret, a missing bucket or key, an unreachable endpoint:
+one line, exit code 2, before any process group forms) is tested in tests/unit/test_storage_cache.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers.s3_server import S3TestServer
+
+REPO = Path(__file__).resolve().parents[2]
+ASSETS = REPO / "megatron_slmoe" / "assets"
+BUCKET = "finetune-store"
+COMMON = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size", "8",
+          "--micro-batch-size", "2", "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-iters", "1",
+          "--eval-interval", "1000", "--log-interval", "1", "--lora-rank", "4", "--fp32",
+          "--no-tensorboard", "--train-iters", "4", "--save-interval", "2",
+          "--train-data", f"s3://{BUCKET}/data/train/",
+          "--valid-data", f"s3://{BUCKET}/data/eval.jsonl",
+          "--tokenizer", f"s3://{BUCKET}/tokenizer/tokenizer.json",
+          "--output-url", f"s3://{BUCKET}/runs/lora", "--storage-retry-backoff", "0.2"]
+DATA_KEYS = ["data/train/part-000.jsonl", "data/train/part-001.jsonl", "data/eval.jsonl",
+             "tokenizer/tokenizer.json"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with S3TestServer() as server:
+        client = server.client()
+        client.create_bucket(Bucket=BUCKET)
+        lines = (ASSETS / "digits_train.jsonl").read_text().splitlines(keepends=True)
+        half = len(lines) // 2
+        for key, body in [(DATA_KEYS[0], "".join(lines[:half])), (DATA_KEYS[1], "".join(lines[half:])),
+                          (DATA_KEYS[2], (ASSETS / "digits_eval.jsonl").read_text()),
+                          (DATA_KEYS[3], (ASSETS / "tokenizer.json").read_text())]:
+            client.put_object(Bucket=BUCKET, Key=key, Body=body.encode())
+        yield server
+
+
+def _finetune(server, args, nproc=2, env=None, validate_only=False):
+    env = {**os.environ, **server.env(), **(env or {}), "PYTHONPATH": str(REPO)}
+    if validate_only:
+        cmd = [sys.executable, "-m", "megatron_slmoe.training.finetune", "--validate-only", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(nproc), "-m", "megatron_slmoe.training.finetune", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    losses = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        losses[record["iteration"]] = record["loss"]
+    return losses
+
+
+def _stored(server, key: str) -> bytes:
+    return server.client().get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+
+def test_run_reads_from_and_writes_to_the_store_then_resumes_from_it(server, tmp_path):
+    run_a = tmp_path / "a"
+    server.reset_counts()
+    proc = _finetune(server, [*COMMON, "--output-dir", str(run_a),
+                              "--cache-dir", str(tmp_path / "nvme-a")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for key in DATA_KEYS:  # two ranks, one node: one download each
+        assert server.requests("GET", f"/{BUCKET}/{key}") == 1, key
+    assert _stored(server, "runs/lora/checkpoints/latest") == b"iter_0000004"
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert _stored(server, f"runs/lora/adapter/{name}") == (run_a / "adapter" / name).read_bytes()
+    stored_summary = _stored(server, "runs/lora/summary.json")
+    assert stored_summary == (run_a / "summary.json").read_bytes()
+    assert json.loads(stored_summary)["output_url"] == f"s3://{BUCKET}/runs/lora"
+    stored_config = _stored(server, "runs/lora/config.yaml")
+    assert stored_config == (run_a / "config.yaml").read_bytes()
+    assert yaml.safe_load(stored_config)["data"]["train_data"] == f"s3://{BUCKET}/data/train/"
+    for secret in (server.secret_access_key, server.access_key_id):
+        assert secret.encode() not in stored_summary + stored_config, secret
+        assert secret not in proc.stdout + proc.stderr
+    losses_a = _losses(run_a)
+    assert sorted(losses_a) == [1, 2, 3, 4]
+
+    # The newest stored checkpoint loses its manifest (an upload cut short): not to be used.
+    server.client().delete_object(Bucket=BUCKET, Key="runs/lora/checkpoints/iter_0000004/MANIFEST.json")
+    run_b = tmp_path / "b"
+    server.reset_counts()
+    server.outage_on("PUT", "checkpoints/iter_0000004/", seconds=3.0)
+    proc = _finetune(server, [*COMMON, "--output-dir", str(run_b),
+                              "--cache-dir", str(tmp_path / "nvme-b")])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "restored checkpoint iter_0000002" in out and "resumed from" in out
+    assert server.outages == 1  # the server did go down mid-upload
+    losses_b = _losses(run_b)
+    assert sorted(losses_b) == [3, 4]
+    for it in (3, 4):
+        assert losses_b[it] == pytest.approx(losses_a[it], rel=1e-6, abs=1e-7), f"iteration {it}"
+    assert _stored(server, "runs/lora/checkpoints/latest") == b"iter_0000004"
+    _stored(server, "runs/lora/checkpoints/iter_0000004/MANIFEST.json")  # complete again
+    assert server.secret_access_key not in out
+
