@@ -232,8 +232,10 @@ setup(
         "gpu": ["transformer-engine"],
         "npu": ["torch_npu", "mindspeed"],
         "s3": S3_REQUIRES,
-        # moto's server mode is the S3 endpoint of the storage tests (on 127.0.0.1, started by them)
-        "test": ["pytest", "pytest-timeout", "moto[server]>=5.1,<6", *S3_REQUIRES],
+        # Pinned: what the storage tests were run with. moto's server mode is their S3 endpoint
+        # (on 127.0.0.1, started by the tests themselves).
+        "test": ["pytest", "pytest-timeout", "moto[server]==5.2.5",
+                 "multi-storage-client[boto3]==1.3.1", "boto3==1.44.8"],
     },
     entry_points={"console_scripts": [
         "slmoe-finetune = megatron_slmoe.training.finetune:main",
