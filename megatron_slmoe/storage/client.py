@@ -234,8 +234,11 @@ class ObjectStore:
 
     @staticmethod
     def _make_client(url: ObjectURL):
-        from multistorageclient import StorageClient, StorageClientConfig
-
+        try:
+            from multistorageclient import StorageClient, StorageClientConfig
+        except ImportError:  # the client is an optional dependency: say which extra brings it
+            raise StorageConfigError(f"{url}: object storage needs multi-storage-client and "
+                                     "boto3: pip install 'megatron-slmoe[s3]'") from None
         try:
             if url.scheme == "s3":
                 profile = f"slmoe-s3-{url.authority}"

@@ -326,6 +326,12 @@ def test_start_up_check_names_the_flag_and_url_in_one_line_without_secrets(
         assert secret not in err and s3_server.access_key_id not in err
         assert "not-the-secret-0123" not in err
 
+    with monkeypatch.context() as patch:  # installed without the s3 extra
+        patch.setitem(sys.modules, "multistorageclient", None)
+        code, err = _validate_only(capsys, "--train-data", good)
+    assert (code, err) == (2, f"error: --train-data: {good}: object storage needs "
+                              "multi-storage-client and boto3: pip install 'megatron-slmoe[s3]'\n")
+
 
 # --- outputs --------------------------------------------------------------------------------------
 
