@@ -186,10 +186,12 @@ profiles:
 
 def test_data_settings_resolve_to_local_files_in_key_order(s3_server, bucket, tmp_path):
     """What training/data_sources.py asks of a data setting: an object, a prefix of JSONL shards,
-    an indexed-dataset prefix (its .idx and .bin) or a prefix of several; local paths pass."""
+    an indexed-dataset prefix (its .idx and .bin) or a prefix of several; what the trainer asks
+    of --base-checkpoint / --adapter-init: a directory; local paths pass."""
     objects = {"jsonl/b.jsonl": b"b\n", "jsonl/a.jsonl": b"a\n", "jsonl/notes.txt": b"-",
                "ds/y.idx": os.urandom(100), "ds/y.bin": os.urandom(3000),
-               "ds/x.idx": os.urandom(90), "ds/x.bin": os.urandom(2000)}
+               "ds/x.idx": os.urandom(90), "ds/x.bin": os.urandom(2000),
+               "ckpt/common.pt": os.urandom(500), "ckpt/model/__0_0.distcp": os.urandom(700)}
     _put(s3_server, bucket, objects)
     storage = _storage(tmp_path / "nvme")
     root = f"s3://{bucket}"
@@ -207,6 +209,12 @@ def test_data_settings_resolve_to_local_files_in_key_order(s3_server, bucket, tm
             assert read(prefix + suffix) == objects[f"ds/{name}{suffix}"]
     assert storage.local_indexed_datasets(f"{root}/ds/y") == [prefixes[1]]
     assert storage.local_indexed_datasets("/local/corpus") == ["/local/corpus"]
+    directory = Path(storage.local_dir(f"{root}/ckpt"))
+    assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()) \
+        == ["common.pt", "model/__0_0.distcp"]
+    for rel in ("common.pt", "model/__0_0.distcp"):
+        assert read(directory / rel) == objects[f"ckpt/{rel}"]
+    assert storage.local_dir("/local/ckpt") == "/local/ckpt"
     for key in objects:
         assert s3_server.requests("GET", f"/{bucket}/{key}") == (0 if key.endswith(".txt") else 1)
     with pytest.raises(ObjectNotFoundError, match="no '\\*.jsonl' objects"):
