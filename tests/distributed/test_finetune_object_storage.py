@@ -54,14 +54,12 @@ def server():
         yield server
 
 
-def _finetune(server, args, nproc=2, env=None, validate_only=False):
-    env = {**os.environ, **server.env(), **(env or {}), "PYTHONPATH": str(REPO)}
-    if validate_only:
-        cmd = [sys.executable, "-m", "megatron_slmoe.training.finetune", "--validate-only", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(nproc), "-m", "megatron_slmoe.training.finetune", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+def _finetune(server, args):
+    """The job as users start it: torchrun, 2 ranks on this node."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_slmoe.training.finetune", *args]
+    return subprocess.run(cmd, cwd=REPO, env={**os.environ, **server.env(), "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=600)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
