@@ -147,7 +147,10 @@ setup(
     extras_require={
         "gpu": ["transformer-engine"],
         "npu": ["torch_npu", "mindspeed"],
-        "test": ["pytest", "pytest-timeout"],
+        # Hugging Face interop (megatron_slmoe.hf): model families, import, the SL-MoE model class.
+        # Tested with 5.24; the 5.x series holds experts as fused 3D tensors in memory.
+        "hf": ["transformers>=5.24,<6"],
+        "test": ["pytest", "pytest-timeout", "transformers>=5.24,<6"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
