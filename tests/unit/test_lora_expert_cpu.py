@@ -168,26 +168,36 @@ def test_threaded_schedule(threads, counts):
         torch.testing.assert_close(got, want)
 
 
-def test_expert_mlp_matches_composed_references():
+@pytest.mark.parametrize("gated", [True, False])
+def test_expert_mlp_matches_composed_references(gated):
+    from megatron.core.activations import squared_relu
+
     counts, d, d_ff, r = [4, 0, 6, 1], 12, 10, 4
+    fc1_rows = 2 * d_ff if gated else d_ff
     g = torch.Generator().manual_seed(1)
     E, T = len(counts), sum(counts)
 
     def rand(*shape):
         return (torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5).requires_grad_()
 
-    fc1 = LoRAGroupedWeights(rand(E, 2 * d_ff, d).detach(), rand(E, r, d), rand(E, 2 * d_ff, r))
+    fc1 = LoRAGroupedWeights(rand(E, fc1_rows, d).detach(), rand(E, r, d), rand(E, fc1_rows, r))
     fc2 = LoRAGroupedWeights(rand(E, d, d_ff).detach(), rand(E, r, d_ff), rand(E, d, r))
     x = rand(T, d)
     tpe = torch.tensor(counts)
     trainable = (x, fc1.lora_a, fc1.lora_b, fc2.lora_a, fc2.lora_b)
 
-    y = lora_expert_mlp(x, tpe, fc1, fc2, SCALING)
+    if gated:
+        y = lora_expert_mlp(x, tpe, fc1, fc2, SCALING)
+    else:
+        y = lora_expert_mlp(x, tpe, fc1, fc2, SCALING, activation_func=squared_relu, gated=False)
     grads = torch.autograd.grad(y.sum(), trainable)
 
     h = lora_grouped_linear_reference(x, *fc1, tpe, SCALING)
-    gate, up = h[:, :d_ff], h[:, d_ff:]
-    y_ref = lora_grouped_linear_reference(torch.nn.functional.silu(gate) * up, *fc2, tpe, SCALING)
+    if gated:
+        act = torch.nn.functional.silu(h[:, :d_ff]) * h[:, d_ff:]
+    else:
+        act = torch.relu(h).pow(2)
+    y_ref = lora_grouped_linear_reference(act, *fc2, tpe, SCALING)
     grads_ref = torch.autograd.grad(y_ref.sum(), trainable)
     torch.testing.assert_close(y, y_ref)
     for got, want in zip(grads, grads_ref):
