@@ -169,3 +169,47 @@ def save_fp8(model, directory: str, block=(16, 16)) -> None:
         json.dump(config, f, indent=2)
     return AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32,
                                                 attn_implementation="eager").eval()
+
+
+# --- the imported Megatron model -----------------------------------------------------------------
+
+
+def megatron_logits(model, input_ids: torch.Tensor):
+    """Full-vocabulary logits ``[B, S, V]`` of this rank's Megatron model chunk, run through
+    Megatron's forward-only schedule (pipeline stages exchange activations as in training); the
+    vocabulary shards of tensor parallelism are gathered. None on all but the last stage."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq).expand(batch, seq)
+
+    def step(data_iterator, chunk):
+        output = chunk(next(data_iterator), position_ids, None)
+
+        def collect(output_tensor):
+            if parallel_state.get_tensor_model_parallel_world_size() > 1:
+                output_tensor = gather_from_tensor_model_parallel_region(output_tensor)
+            return output_tensor.sum() * 0.0, {"logits": output_tensor.detach().clone()}
+
+        return output, collect
+
+    model.eval()
+    with torch.no_grad():
+        results = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([input_ids]), model=[model],
+            num_microbatches=1, seq_length=seq, micro_batch_size=batch, forward_only=True)
+    return results[0]["logits"].float() if parallel_state.is_pipeline_last_stage() else None
+
+
+def import_and_run(hf_dir: str, input_ids: torch.Tensor):
+    """Build this rank's Megatron model from ``hf_dir``, load it rank-locally, return its logits
+    (None on non-last pipeline stages) and the load report."""
+    from megatron_slmoe.hf.convert import build_model_from_hf
+    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+
+    hf = open_hf_checkpoint(hf_dir, check_shapes=False)
+    model, _ = build_model_from_hf(hf)
+    report = load_hf_weights([model], hf_dir, hf)
+    return megatron_logits(model, input_ids), report
