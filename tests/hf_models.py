@@ -14,6 +14,9 @@ import math
 import os
 
 import torch
+from transformers.utils import logging as _transformers_logging
+
+_transformers_logging.disable_progress_bar()  # no "Writing model shards" bars in test output
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 4, 2, 8
 EXPERTS, TOPK = 4, 2
@@ -206,10 +209,10 @@ def megatron_logits(model, input_ids: torch.Tensor):
 def import_and_run(hf_dir: str, input_ids: torch.Tensor):
     """Build this rank's Megatron model from ``hf_dir``, load it rank-locally, return its logits
     (None on non-last pipeline stages) and the load report."""
-    from megatron_slmoe.hf.convert import build_model_from_hf
+    from megatron_slmoe.hf.convert import build_model_in_layout
     from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
 
     hf = open_hf_checkpoint(hf_dir, check_shapes=False)
-    model, _ = build_model_from_hf(hf)
+    model, _ = build_model_in_layout(hf.model_config)
     report = load_hf_weights([model], hf_dir, hf)
     return megatron_logits(model, input_ids), report

@@ -1,6 +1,7 @@
 """Rank-local HF import under TP=2 (sequence parallel), EP=2 and PP=2: for every family, the
 imported Megatron model's logits equal transformers' on the same tiny random checkpoint, and each
 rank read only its own slices (EP ranks read half the experts, TP ranks half the sharded rows).
+The dist checkpoint ``convert_hf import`` writes under EP=2 loads under PP=2 with the same logits.
 
 One pair of spawned ranks serves all layouts and families: each layout re-initialises Megatron's
 parallel_state in the same processes."""
@@ -14,9 +15,25 @@ from tests.distributed.harness import run_ranks
 LAYOUTS = {"tp2-sp": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2)}
 
 
-def _all_layouts(checkpoints: dict, input_ids: torch.Tensor) -> dict:
+def _load_converted(directory: str, input_ids: torch.Tensor):
+    from megatron.core import dist_checkpointing
+
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.moe.model_config import load_model_config
+
+    # Built as the fine-tuning entry point builds it from --model-config, loaded as
+    # --base-checkpoint loads it.
+    model, _ = build_model_in_layout(load_model_config(f"{directory}/model_config.yaml"))
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
+    return hf_models.megatron_logits(model, input_ids)
+
+
+def _all_layouts(checkpoints: dict, input_ids: torch.Tensor, converted: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_slmoe.hf.convert import import_to_dist_checkpoint
+    from megatron_slmoe.hf.loader import open_hf_checkpoint
 
     results = {}
     for layout, sizes in LAYOUTS.items():
@@ -29,6 +46,10 @@ def _all_layouts(checkpoints: dict, input_ids: torch.Tensor) -> dict:
         for name, hf_dir in checkpoints.items():
             logits, report = hf_models.import_and_run(hf_dir, input_ids)
             results[layout, name] = (logits, report.bytes_read)
+        if layout == "ep2":
+            import_to_dist_checkpoint(open_hf_checkpoint(checkpoints["deepseek_v3"]), converted)
+        if layout == "pp2":
+            results["converted"] = _load_converted(converted, input_ids)
     return results
 
 
@@ -46,7 +67,7 @@ def parallel_results(tmp_path_factory):
     checkpoints["qwen3_moe-fused"] = str(root / "qwen3_moe-fused")
     references["qwen3_moe-fused"] = hf_models.hf_logits(model, input_ids)
     per_rank = run_ranks(_all_layouts, 2, timeout=600.0, checkpoints=checkpoints,
-                         input_ids=input_ids)
+                         input_ids=input_ids, converted=str(root / "converted"))
     return per_rank, references
 
 
@@ -62,11 +83,16 @@ def test_parallel_import_matches_transformers(parallel_results, layout):
                                        msg=f"{layout} {name}")
 
 
+def test_checkpoint_converted_under_ep2_loads_under_pp2(parallel_results):
+    per_rank, references = parallel_results
+    produced = [rank["converted"] for rank in per_rank if rank["converted"] is not None]
+    assert len(produced) == 1
+    torch.testing.assert_close(produced[0], references["deepseek_v3"], rtol=1e-5, atol=1e-5)
+
+
 def test_ranks_read_only_their_slices(parallel_results):
     """Under TP and EP each rank reads less than the whole checkpoint; the ranks of a layout
     together read at least all of it (everything replicated is read by both)."""
-    import os
-
     per_rank, _ = parallel_results
     for layout in ("tp2-sp", "ep2", "pp2"):
         for name in hf_models.FAMILY_NAMES:
