@@ -9,9 +9,12 @@ places in a file that does not hold it, a tensor in two shards. Each is one
 ``model.safetensors.index.json`` or without it (one or several ``*.safetensors`` files).
 
 Reading is by slice (``safe_open(...).get_slice``): only the requested rows/columns of a tensor are
-copied out of the file. A file is memory-mapped while it is read, and mapped pages count towards a
-process's resident memory, so :class:`SliceReader` unmaps a file after each source tensor: a rank
-never holds more than its own shard plus one source tensor (see ``megatron_slmoe.hf.loader``).
+copied out of the file. A file is memory-mapped while it is read, and the mapped pages a read
+touches count towards the process's resident memory until the file is unmapped, so
+:class:`SliceReader` unmaps (closes) a file once the reads since it was opened have touched more
+than ``unmap_after_bytes`` (64 MiB): beyond its own shard, a rank holds at most that plus one
+source tensor. (Closing after every tensor would bound it by one tensor, at the cost of parsing a
+shard's header once per tensor, which dominated load time.)
 
 Block-scaled FP8 weights (DeepSeek-V3, Kimi-K2: ``float8_e4m3fn`` with a ``<name>_scale_inv``
 tensor of one fp32 scale per ``weight_block_size`` block) are dequantised slice by slice as they
@@ -231,19 +234,20 @@ def dequantize_block_fp8(values: torch.Tensor, scales: torch.Tensor, rows: slice
 
 
 class SliceReader:
-    """Reads slices of a checkpoint's tensors, one source tensor at a time.
+    """Reads slices of a checkpoint's tensors.
 
     ``read(key, index)`` returns the sub-tensor ``tensor[index]`` (``index``: unit-step slices or
-    ints per leading dimension) as a fresh tensor (FP8 weights dequantised to fp32). Reads of one
-    source tensor should come together: the file is unmapped when a read moves on to another
-    tensor (see the module doc), and by :meth:`close`.
+    ints per leading dimension) as a fresh tensor (FP8 weights dequantised to fp32). Reads should
+    go file by file: a file is unmapped when a read moves to another file, when the reads since it
+    was opened touched more than ``unmap_after_bytes`` (see the module doc), and by :meth:`close`.
     """
 
-    def __init__(self, checkpoint: HFCheckpoint) -> None:
+    def __init__(self, checkpoint: HFCheckpoint, unmap_after_bytes: int = 64 * 2**20) -> None:
         self.checkpoint = checkpoint
+        self.unmap_after_bytes = unmap_after_bytes
         self._handle = None
         self._handle_file: Optional[str] = None
-        self._current_key: Optional[str] = None
+        self._touched = 0  # bytes of the file the reads since opening may have mapped in
         self.bytes_read = 0
 
     def __enter__(self) -> "SliceReader":
@@ -253,16 +257,18 @@ class SliceReader:
         self.close()
 
     def close(self) -> None:
+        """Unmap the open file: the pages read from it leave resident memory."""
         if self._handle is not None:
             self._handle.__exit__(None, None, None)
-        self._handle = self._handle_file = self._current_key = None
+        self._handle = self._handle_file = None
+        self._touched = 0
 
     def _file(self, key: str):
         from safetensors import safe_open
 
         info = self.checkpoint.tensors[key]
-        if key != self._current_key:
-            self.close()  # unmap: the pages of the previous source tensor leave resident memory
+        if info.file != self._handle_file or self._touched > self.unmap_after_bytes:
+            self.close()
         if self._handle is None:
             path = self.checkpoint.path(info)
             try:
@@ -272,12 +278,16 @@ class SliceReader:
                 raise HFCheckpointError(f"{path}: cannot open ({' '.join(str(err).split())})") \
                     from None
             self._handle_file = info.file
-        self._current_key = key
         return self._handle
 
     def _raw(self, key: str, slices: list[slice]) -> torch.Tensor:
+        info = self.checkpoint.tensors[key]
         try:
-            return self._file(key).get_slice(key)[tuple(slices)]
+            handle = self._file(key)
+            # The rows a read spans are mapped in whole (a column slice touches every row).
+            rows = slices[0].stop - slices[0].start if slices else 1
+            self._touched += info.nbytes * rows // max(1, info.shape[0] if info.shape else 1)
+            return handle.get_slice(key)[tuple(slices)]
         except HFCheckpointError:
             raise
         except Exception as err:  # noqa: BLE001
@@ -319,7 +329,6 @@ class SliceReader:
         values = self._raw(key, slices)
         scale_slices = [slice(s.start // b, math.ceil(s.stop / b)) for s, b in zip(slices, block)]
         scales = self._raw(scale_key, scale_slices)
-        self.close()  # the scale table is a second source tensor: unmap before going on
         return dequantize_block_fp8(values, scales, rows, cols, block)
 
 

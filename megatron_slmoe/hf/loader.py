@@ -7,8 +7,9 @@ global shape and the box of it this rank holds (TP slice, EP experts; with the g
 ``linear_fc1``). The family's mapping table turns a global tensor into pieces of HF tensors
 (``mappings.kinds``); the part of each piece inside the local box is read with
 ``safe_open(...).get_slice`` and copied in place. So a rank reads only its own slices, never a whole
-checkpoint, and its peak host memory while loading is its own shard plus one source tensor (the
-reader unmaps each file after the tensor it read from it; see ``checkpoint.SliceReader``).
+checkpoint, and its peak host memory while loading is its own shard plus one source tensor and
+a bounded window of mapped file pages (``checkpoint.SliceReader`` unmaps a file every 64 MiB it
+touched).
 
 Checks, each one :class:`HFCheckpointError` line naming the file and the tensor: a tensor the model
 needs that is in no shard, a tensor whose shape disagrees with ``config.json``, a local tensor the
