@@ -47,6 +47,22 @@ def test_variants_match_transformers(tmp_path, family, overrides):
     _check(str(tmp_path), model)
 
 
+def test_kimi_k2_config_maps_as_deepseek_v3(tmp_path):
+    """Kimi-K2 ships DeepseekV3ForCausalLM weights with its own model_type, remote-code auto_map
+    and no group limit; config.json is read as it is."""
+    import json
+
+    model = hf_models.save_family("deepseek_v3", str(tmp_path), n_group=1, topk_group=1)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="kimi_k2", scoring_func="sigmoid", topk_method="noaux_tc",
+                  auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from megatron_slmoe.hf import open_hf_checkpoint
+
+    assert open_hf_checkpoint(str(tmp_path)).family.name == "deepseek_v3"
+    _check(str(tmp_path), model)
+
+
 def test_block_fp8_matches_fp32_reference_of_the_same_weights(tmp_path):
     model = hf_models.build("deepseek_v3")
     reference = hf_models.save_fp8(model, str(tmp_path / "fp8"), block=(16, 16))
