@@ -143,7 +143,6 @@ def save_fp8(model, directory: str, block=(16, 16)) -> None:
     with safe_open(path, "pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}
     out = {}
-    params = dict(model.named_parameters())
     for key, tensor in stored.items():
         if tensor.dim() == 2 and key.endswith("proj.weight") and "embed" not in key:
             values, scale, dequant = quantize_block_fp8(tensor.float(), block)
@@ -159,7 +158,6 @@ def save_fp8(model, directory: str, block=(16, 16)) -> None:
     os.makedirs(reference_dir, exist_ok=True)
     model.config.save_pretrained(reference_dir)
     save_file(stored, os.path.join(reference_dir, "model.safetensors"), metadata={"format": "pt"})
-    del params
     import json
 
     config_path = os.path.join(directory, "config.json")

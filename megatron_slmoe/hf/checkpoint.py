@@ -28,7 +28,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -38,12 +38,6 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 _FP8 = ("F8_E4M3", "F8_E5M2")
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit on the JSON table
 
@@ -331,7 +325,3 @@ class SliceReader:
         scales = self._raw(scale_key, scale_slices)
         return dequantize_block_fp8(values, scales, rows, cols, block)
 
-
-def iter_keys_in_file_order(checkpoint: HFCheckpoint, keys: Iterable[str]) -> list[str]:
-    """``keys`` sorted by shard, so reads walk each file once."""
-    return sorted(set(keys), key=lambda k: (checkpoint.tensors[k].file, k))

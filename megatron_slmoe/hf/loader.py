@@ -19,9 +19,8 @@ table does not cover completely. Checks that need no process group run first in
 
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -30,8 +29,6 @@ from megatron_slmoe.hf.checkpoint import HFCheckpoint, SliceReader
 from megatron_slmoe.hf.errors import HFCheckpointError
 from megatron_slmoe.hf.mappings import Family, family_for
 from megatron_slmoe.hf.mappings.kinds import Overlap
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,7 +85,7 @@ class LoadReport:
     reads: int = 0
     """Slices read from the checkpoint."""
     bytes_read: int = 0
-    source_tensors: set = field(default_factory=set)
+    """Bytes of the slices read (after FP8 dequantisation)."""
 
 
 def _sharded_tensors(state) -> Iterator:
@@ -155,12 +152,14 @@ def _start(index: tuple) -> tuple:
     return tuple(i if isinstance(i, int) else i.start for i in index)
 
 
-def load_hf_weights(model_chunks, hf_dir, hf: Optional[HFModel] = None) -> LoadReport:
+def load_hf_weights(model_chunks, hf_dir, hf: Optional[HFModel] = None,
+                    unmap_after_bytes: int = 64 * 2**20) -> LoadReport:
     """Fill this rank's ``model_chunks`` (Megatron modules, one per virtual pipeline stage, or a
     single module) from the HF checkpoint ``hf_dir``, reading only this rank's slices.
 
     ``hf`` is the :func:`open_hf_checkpoint` of ``hf_dir`` when the caller already opened it (the
-    model was built from ``hf.model_config``). Every rank calls it; no collective is involved."""
+    model was built from ``hf.model_config``); ``unmap_after_bytes`` bounds the mapped file pages
+    (``SliceReader``). Every rank calls it; no collective is involved."""
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     hf = hf or open_hf_checkpoint(hf_dir, check_shapes=False)
@@ -168,11 +167,10 @@ def load_hf_weights(model_chunks, hf_dir, hf: Optional[HFModel] = None) -> LoadR
     order = sorted(range(len(reads)), key=lambda i: (
         hf.checkpoint.tensors[reads[i][0]].file, reads[i][0], _start(reads[i][1])))
     report = LoadReport(tensors=len({id(r[3]) for r in reads}))
-    with SliceReader(hf.checkpoint) as reader, torch.no_grad():
+    with SliceReader(hf.checkpoint, unmap_after_bytes) as reader, torch.no_grad():
         for i in order:
             stored, index, overlap, local = reads[i]
             overlap.to_megatron(reader.read(stored, index), local)
             report.reads += 1
-            report.source_tensors.add(stored)
         report.bytes_read = reader.bytes_read
     return report

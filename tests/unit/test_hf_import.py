@@ -134,3 +134,37 @@ def test_pieces_export_what_they_import(kind_name):
                 exported[piece.hf_key][overlap.hf_index] = overlap.to_hf(shard)
     for name in hf:
         assert torch.equal(exported[name], hf[name]), name
+
+
+def test_fp8_slices_at_any_offset_dequantise_like_the_whole(tmp_path):
+    """TP and EP shards read FP8 weights at offsets that are not block-aligned."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron_slmoe.hf.checkpoint import HFCheckpoint, SliceReader
+
+    weight = torch.randn(40, 56, generator=torch.Generator().manual_seed(3))
+    values, scale, reference = hf_models.quantize_block_fp8(weight, (16, 16))
+    save_file({"w.weight": values, "w.weight_scale_inv": scale},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [16, 16]}}))
+    with SliceReader(HFCheckpoint.open(tmp_path)) as reader:
+        for rows, cols in ((slice(0, 40), slice(0, 56)), (slice(5, 37), slice(9, 50)),
+                           (slice(17, 18), slice(31, 33))):
+            torch.testing.assert_close(reader.read("w.weight", (rows, cols)),
+                                       reference[rows, cols], rtol=0, atol=0)
+
+
+def test_import_settings_validate_in_one_line(tmp_path):
+    from megatron_slmoe.hf import HFImportConfig
+
+    HFImportConfig().validate()
+    (tmp_path / "config.json").write_text("{}")
+    HFImportConfig(hf_checkpoint=str(tmp_path)).validate()
+    for settings, message in ((HFImportConfig(hf_checkpoint=str(tmp_path / "nope")), "no such"),
+                              (HFImportConfig(hf_checkpoint=str(tmp_path.parent)), "no config"),
+                              (HFImportConfig(hf_unmap_mib=0), "--hf-unmap-mib")):
+        with pytest.raises(ValueError, match=message):
+            settings.validate()

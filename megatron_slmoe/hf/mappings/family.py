@@ -20,7 +20,7 @@ from megatron_slmoe.moe.model_config import ModelConfig  # the one import of Mod
 from megatron_slmoe.moe.validation import ConfigError, validate_moe_config
 
 # HF activation names -> our model files' activation_func names.
-ACTIVATIONS = {"silu": "silu", "relu2": "squared_relu"}
+HF_ACTIVATIONS = {"silu": "silu", "relu2": "squared_relu"}
 
 
 class ConfigReader:
@@ -63,10 +63,10 @@ class ConfigReader:
 
     def activation(self, name: str, default: str) -> str:
         value = self.get(name, default)
-        if value not in ACTIVATIONS:
+        if value not in HF_ACTIVATIONS:
             raise self.fail(f"{name} {value!r} is not supported (supported: "
-                            f"{', '.join(ACTIVATIONS)})")
-        return ACTIVATIONS[value]
+                            f"{', '.join(HF_ACTIVATIONS)})")
+        return HF_ACTIVATIONS[value]
 
     def require(self, condition: bool, message: str) -> None:
         if not condition:

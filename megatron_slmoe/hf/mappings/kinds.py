@@ -20,9 +20,11 @@ of them, per expert). HF names are templates over placeholders (``{layer}``, ``{
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
+
+from megatron_slmoe.hf.mappings.layouts import template_regex
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 
@@ -193,14 +195,6 @@ class PerExpert(MappingKind):
 # --- the table -----------------------------------------------------------------------------------
 
 
-def _pattern_regex(template: str):
-    import re
-
-    parts = re.split(r"\{(\w+)\}", template)
-    regex = "".join(re.escape(p) if i % 2 == 0 else f"(?P<{p}>\\d+)" for i, p in enumerate(parts))
-    return re.compile(f"^{regex}$")
-
-
 @dataclass(frozen=True)
 class Rule:
     """Megatron tensors named by ``megatron`` (a template: ``decoder.layers.{layer}.x.weight``)
@@ -219,7 +213,7 @@ class MappingTable:
 
     def __init__(self, rules: Sequence[Rule], derive=None) -> None:
         self.rules = list(rules)
-        self._compiled = [(_pattern_regex(r.megatron), r) for r in self.rules]
+        self._compiled = [(template_regex(r.megatron), r) for r in self.rules]
         self._derive = derive
 
     def match(self, megatron_key: str) -> Optional[tuple[Rule, dict]]:
@@ -236,9 +230,3 @@ class MappingTable:
             return None
         rule, names = found
         return rule.kind.pieces(tuple(global_shape), names)
-
-    def overlaps(self, megatron_key: str, global_shape, local_box: Box) -> Iterator[Overlap]:
-        for piece in self.pieces(megatron_key, global_shape) or ():
-            overlap = piece.within(local_box)
-            if overlap is not None:
-                yield overlap

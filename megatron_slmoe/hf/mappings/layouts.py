@@ -21,14 +21,16 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 
-def _template_regex(template: str) -> re.Pattern:
+def template_regex(template: str, text: tuple[str, ...] = ()) -> re.Pattern:
+    """A regex matching the names of a template: ``{x}`` is a number, unless ``x`` is in
+    ``text`` (then any text, shortest first)."""
     parts = re.split(r"\{(\w+)\}", template)
     pieces = []
     for i, part in enumerate(parts):
         if i % 2 == 0:
             pieces.append(re.escape(part))
         else:
-            pieces.append(r"(?P<e>\d+)" if part == "e" else rf"(?P<{part}>.+?)")
+            pieces.append(rf"(?P<{part}>.+?)" if part in text else rf"(?P<{part}>\d+)")
     return re.compile("^" + "".join(pieces) + "$")
 
 
@@ -53,14 +55,14 @@ class FusedExperts:
     def to_fused(self, key: str) -> Optional[tuple[str, int, int]]:
         """(fused key, expert, part) of a per-expert key, or None."""
         for i, part in enumerate(self.parts):
-            m = _template_regex(part).match(key)
+            m = template_regex(part, text=("p",)).match(key)
             if m:
                 return self.fused.format(p=m.group("p")), int(m.group("e")), i
         return None
 
     def from_fused(self, key: str, shape: Sequence[int]) -> Optional[list[tuple[str, tuple]]]:
         """The per-expert (key, shape) pairs a fused tensor of ``shape`` holds, or None."""
-        m = _template_regex(self.fused).match(key)
+        m = template_regex(self.fused, text=("p",)).match(key)
         if not m:
             return None
         part_shape = list(shape[1:])
