@@ -24,7 +24,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -194,7 +194,11 @@ def _parse_yaml(text: str, where: str) -> Any:
 @functools.lru_cache(maxsize=None)
 def _transformer_hints() -> dict[str, Any]:
     # MLATransformerConfig: TransformerConfig's fields plus the multi-latent attention widths.
-    return typing.get_type_hints(MLATransformerConfig)
+    hints = typing.get_type_hints(MLATransformerConfig)
+    # Megatron types it int but reads None as "q is not compressed" (linear_q_proj), as
+    # DeepSeek-V2-Lite has it.
+    hints["q_lora_rank"] = Optional[int]
+    return hints
 
 
 @functools.lru_cache(maxsize=None)

@@ -304,18 +304,20 @@ def test_dump_reads_back_as_the_same_config(tmp_path, name):
     assert again.gpt_kwargs() == mc.gpt_kwargs() and again.slmoe == mc.slmoe
 
 
-def test_squared_relu_by_name_and_mla_fields(tmp_path):
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_squared_relu_by_name_and_mla_fields(tmp_path, q_lora_rank):
     from megatron.core.activations import squared_relu
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     path = _write(tmp_path, _tiny_yaml(gated_linear_unit=False, activation_func="squared_relu",
-                                       multi_latent_attention=True, q_lora_rank=16,
+                                       multi_latent_attention=True, q_lora_rank=q_lora_rank,
                                        kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
                                        v_head_dim=8, rope_type="rope", qk_layernorm=True))
     mc = load_model_config(path)
     assert mc.transformer["activation_func"] == "squared_relu"  # the name, so it dumps back
     config = mc.transformer_config()
     assert isinstance(config, MLATransformerConfig) and config.kv_lora_rank == 8
+    assert config.q_lora_rank == q_lora_rank  # None: q is not compressed
     assert config.activation_func is squared_relu and not config.gated_linear_unit
     assert config.rotary_base == mc.rotary_base  # MLA's own rotary embedding reads it here
     assert dict(load_model_config(_write(tmp_path, dump_model_config(mc), "again.yaml"))
