@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace slmoe {
@@ -56,6 +57,13 @@ inline GroupedDims check_grouped_inputs(const at::Tensor& x, const at::Tensor& w
                    "lora_grouped_linear: tokens_per_expert must be int64, got ", tokens_per_expert.scalar_type());
   check_shape(tokens_per_expert, {d.E}, "tokens_per_expert", "[E]");
   return d;
+}
+
+// The optional per-row scale of the output: [T], x's dtype and device.
+inline void check_probs(const std::optional<at::Tensor>& probs, const at::Tensor& x) {
+  if (!probs.has_value()) return;
+  check_like(*probs, x, "probs");
+  check_shape(*probs, {x.size(0)}, "probs", "[T]");
 }
 
 // Row offset of each expert's group: offsets[e]..offsets[e + 1]. Checks the counts cover x exactly.

@@ -7,9 +7,11 @@ from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.lora.targets import TARGETS as LORA_TARGETS
 from megatron_slmoe.model.config import ModelConfig, load_model_config
 from megatron_slmoe.moe.dispatch.alltoall import (
+           expected_rows_per_destination,
            flat_traffic_rows,
            hierarchical_traffic_rows,
 )
 
-__all__ = ["ConfigError", "LORA_TARGETS", "ModelConfig", "flat_traffic_rows",
+__all__ = ["ConfigError", "LORA_TARGETS", "ModelConfig", "expected_rows_per_destination",
+           "flat_traffic_rows",
            "hierarchical_traffic_rows", "load_model_config"]
