@@ -66,7 +66,16 @@ class _CpuEvent:
 
 
 class _CpuStream:
-    """Stand-in for torch.cuda.Stream: there is one in-order CPU stream, so every wait is a no-op."""
+    """Stand-in for torch.cuda.Stream: there is one in-order CPU stream, so every wait is a no-op.
+    A class whose instances are all the one stream (torch.compile's guards need torch.cuda.Stream
+    to be a type)."""
+
+    _the_stream: "_CpuStream | None" = None
+
+    def __new__(cls, *_args: object, **_kwargs: object) -> "_CpuStream":
+        if cls._the_stream is None:
+            cls._the_stream = super().__new__(cls)
+        return cls._the_stream
 
     def wait_stream(self, stream: object) -> None:
         pass
@@ -118,7 +127,7 @@ def _register_cuda_facade(registry: PatchRegistry) -> None:
     r("torch.cuda.set_device", noop(), "there is only one CPU device")
     r("torch.cuda.current_stream", lambda device=None: _THE_CPU_STREAM, "one in-order CPU stream")
     r("torch.cuda.default_stream", lambda device=None: _THE_CPU_STREAM, "one in-order CPU stream")
-    r("torch.cuda.Stream", lambda *a, **k: _THE_CPU_STREAM, "side streams collapse to the CPU stream")
+    r("torch.cuda.Stream", _CpuStream, "side streams collapse to the CPU stream")
     r("torch.cuda.stream", stream_context, "stream switches are no-ops on CPU")
     r("torch.cuda.Event", _CpuEvent, "events complete immediately on CPU")
     r("torch.cuda.empty_cache", noop(), "no caching allocator on CPU")
