@@ -1,7 +1,8 @@
 """Named profiler ranges around the stages of an MoE layer.
 
 ``with stage(DISPATCH): ...`` opens a ``torch.profiler.record_function`` range called
-``slmoe::dispatch``. With no profiler running a range costs a few microseconds; under a profiler the
+``slmoe.stage::dispatch`` (a prefix of its own: the native ops already appear as
+``slmoe::<op>``). With no profiler running a range costs a few microseconds; under a profiler the
 ranges say where a step's time goes (``tools/bench/lora_step.py`` attributes each backward op to
 the range of the forward op that created it). The names are the one vocabulary the layer, the
 dispatchers and the benchmarks share.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-PREFIX = "slmoe::"
+PREFIX = "slmoe.stage::"
 
 ROUTER = "router"
 LATENT = "latent"

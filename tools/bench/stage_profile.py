@@ -1,6 +1,6 @@
 """Where a training step's time goes, by stage, from a torch.profiler trace (benchmark helper).
 
-Stages are the ``record_function`` ranges named ``slmoe::<stage>`` (``megatron_slmoe.moe.stages``:
+Stages are the ``record_function`` ranges named ``slmoe.stage::<stage>`` (``megatron_slmoe.moe.stages``:
 the MoE layer's router, latent, dispatch, experts, combine, shared expert; the benchmarks add
 attention and optimizer). Forward time is each range's own time (minus stage ranges nested in it).
 Backward time goes to the stage whose forward created the autograd node: the profiler gives every

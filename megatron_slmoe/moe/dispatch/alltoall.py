@@ -7,9 +7,10 @@ sizes that reach the host once per exchange. Implements ``megatron_slmoe.moe.dis
 **One hop** moves *items* (token rows, or rows received in an earlier hop) to the members of a
 process group. For every destination, each item goes once if any of its experts is there, carrying
 its *entries* for that destination: (router probability, the item's position among the rows sent
-there, global expert id), 12 bytes per (token, expert) pair as one fp32 [n, 3] exchange next to the
-rows. A hop is three collectives: the counts (rows, and entries per bucket, per destination), the
-rows, the entries. On arrival the receiver knows each entry's row.
+there, global expert id), 12 bytes per (token, expert) pair. A hop is two collectives: the counts
+(rows, and entries per bucket, per destination), then rows and entries together in one byte
+buffer (``start_exchange``); the backward sends row and probability gradients back in one. On
+arrival the receiver knows each entry's row.
 
 * Flat mode: one hop over the expert-parallel group; destination = the rank of the expert.
 * Hierarchical mode (multi-node): hop A over the same-slot ranks of every node (destination: the
@@ -33,6 +34,7 @@ map selects, including nothing: ranks and experts with zero rows are ordinary ca
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from math import comb
@@ -45,8 +47,8 @@ from megatron_slmoe.moe.dispatch.base import Dispatched, TokenDispatcher
 from megatron_slmoe.moe.dispatch.traffic import TrafficAccumulator
 from megatron_slmoe.moe.stages import COMBINE, DISPATCH, EXPERTS, stage
 
-# Entry metadata travels as fp32: positions and expert ids must stay exact integers.
-_MAX_EXACT_FP32 = 1 << 24
+# Entry positions travel as int32.
+_MAX_INT32 = (1 << 31) - 1
 
 
 # --- exchanges -----------------------------------------------------------------------------------
@@ -69,23 +71,82 @@ def _all_to_all(group, tensor: torch.Tensor, send: list[int], recv: list[int],
     return out, (work if async_op else _DoneWork())
 
 
-class _Exchange(torch.autograd.Function):
-    """All-to-all with autograd: the backward is the reverse exchange."""
+class Pending:
+    """A started exchange: ``result()`` waits for it and returns the received tensors."""
 
-    @staticmethod
-    def forward(ctx, group, tensor, send, recv):
-        ctx.group, ctx.send, ctx.recv = group, send, recv
-        return _all_to_all(group, tensor, send, recv)[0]
+    def __init__(self, work, unpack) -> None:
+        self._work, self._unpack = work, unpack
 
-    @staticmethod
-    def backward(ctx, grad):
-        return None, _all_to_all(ctx.group, grad, ctx.recv, ctx.send)[0], None, None
+    def result(self) -> list[torch.Tensor]:
+        self._work.wait()
+        return self._unpack()
 
 
-def _exchange(group, tensor, send, recv):
+def start_exchange(group, tensors: list[torch.Tensor], sends: list[list[int]],
+                   recvs: list[list[int]]) -> Pending:
+    """Start one all-to-all that carries several tensors: ``tensors[i]`` holds ``sends[i][g]`` rows
+    for group member g (destination-major); what arrives holds ``recvs[i][g]`` rows from member g
+    (source-major). Several tensors travel as one byte buffer, since on every backend each
+    collective costs a latency that small payloads cannot hide."""
     if group is None or group.size() == 1:
-        return tensor
-    return _Exchange.apply(group, tensor, send, recv)
+        return Pending(_DoneWork(), lambda: list(tensors))
+    if len(tensors) == 1:
+        out, work = _all_to_all(group, tensors[0], sends[0], recvs[0], async_op=True)
+        return Pending(work, lambda: [out])
+    tensors = [t.contiguous() for t in tensors]
+    row_bytes = [math.prod(t.shape[1:]) * t.element_size() for t in tensors]
+    members = group.size()
+    pieces, offsets = [], [0] * len(tensors)
+    for g in range(members):
+        for i, t in enumerate(tensors):
+            pieces.append(t.narrow(0, offsets[i], sends[i][g]).reshape(-1).view(torch.uint8))
+            offsets[i] += sends[i][g]
+    send_bytes = [sum(sends[i][g] * row_bytes[i] for i in range(len(tensors))) for g in range(members)]
+    recv_bytes = [sum(recvs[i][g] * row_bytes[i] for i in range(len(tensors))) for g in range(members)]
+    buffer = torch.cat(pieces)
+    out = buffer.new_empty(sum(recv_bytes))
+    work = torch.distributed.all_to_all_single(out, buffer, recv_bytes, send_bytes, group=group,
+                                               async_op=True)
+
+    def unpack() -> list[torch.Tensor]:
+        parts: list[list[torch.Tensor]] = [[] for _ in tensors]
+        position = 0
+        for g in range(members):
+            for i in range(len(tensors)):
+                size = recvs[i][g] * row_bytes[i]
+                parts[i].append(out.narrow(0, position, size))
+                position += size
+        return [torch.cat(p).view(t.dtype).view(-1, *t.shape[1:]) for p, t in zip(parts, tensors)]
+
+    return Pending(work, unpack)
+
+
+class _Exchange(torch.autograd.Function):
+    """``start_exchange(...).result()`` with autograd: the backward sends the gradients back the
+    same way (one all-to-all). Tensors whose ``differentiable`` flag is off carry none."""
+
+    @staticmethod
+    def forward(ctx, group, sends, recvs, differentiable, *tensors):
+        ctx.group, ctx.sends, ctx.recvs, ctx.differentiable = group, sends, recvs, differentiable
+        outs = start_exchange(group, list(tensors), sends, recvs).result()
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, differentiable) if not d))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        which = [i for i, d in enumerate(ctx.differentiable) if d]
+        back = start_exchange(ctx.group, [grads[i] for i in which],
+                              [ctx.recvs[i] for i in which], [ctx.sends[i] for i in which]).result()
+        out: list = [None] * len(grads)
+        for i, g in zip(which, back):
+            out[i] = g
+        return (None, None, None, None, *out)
+
+
+def _exchange(group, tensors, sends, recvs, differentiable):
+    if group is None or group.size() == 1:
+        return list(tensors)
+    return list(_Exchange.apply(group, sends, recvs, differentiable, *tensors))
 
 
 class _SumRows(torch.autograd.Function):
@@ -155,9 +216,9 @@ class HopPlan:
 def plan_hop(spec: HopSpec, num_items: int, entries: Entries) -> tuple[HopPlan, torch.Tensor]:
     """The rows and entries of one hop, and the exchange of their counts (one host sync).
     Returns the plan and the sending side's entry positions (row index within the destination)."""
-    if num_items >= _MAX_EXACT_FP32:
+    if num_items >= _MAX_INT32:
         raise ValueError(f"all-to-all dispatch: {num_items} rows in one exchange exceed the "
-                         f"{_MAX_EXACT_FP32} its fp32 metadata can index")
+                         f"{_MAX_INT32} its int32 entry positions can index")
     device = entries.item_K.device
     dest_K = spec.dest_of_expert_E[entries.expert_K]
     mask_GN = torch.zeros(spec.size, num_items, dtype=torch.bool, device=device)
@@ -195,24 +256,25 @@ def _exchange_counts(group, counts_GC: torch.Tensor) -> torch.Tensor:
     return received
 
 
-def entry_metadata(plan: HopPlan, entries: Entries, positions_K: torch.Tensor) -> torch.Tensor:
-    """[K, 3] fp32 (probability, row position at the destination, expert) in send order."""
+def entry_metadata(plan: HopPlan, entries: Entries, positions_K: torch.Tensor):
+    """In send order: the probabilities (fp32) and [K, 2] int32 (row position at the
+    destination, expert)."""
     order = plan.entry_order_K
-    return torch.stack([entries.prob_K.float().index_select(0, order),
-                        positions_K.index_select(0, order).float(),
-                        entries.expert_K.index_select(0, order).float()], dim=1)
+    index_K2 = torch.stack([positions_K.index_select(0, order),
+                            entries.expert_K.index_select(0, order)], dim=1).to(torch.int32)
+    return entries.prob_K.float().index_select(0, order), index_K2
 
 
-def received_entries(plan: HopPlan, meta_K3: torch.Tensor) -> Entries:
+def received_entries(plan: HopPlan, prob_K: torch.Tensor, index_K2: torch.Tensor) -> Entries:
     """The entries a hop delivered, their items indexing the rows received (source-major)."""
-    device = meta_K3.device
+    device = prob_K.device
     sources = torch.arange(len(plan.recv_rows), device=device)
     source_K = torch.repeat_interleave(
-        sources, torch.tensor(plan.recv_entries, device=device), output_size=meta_K3.shape[0])
+        sources, torch.tensor(plan.recv_entries, device=device), output_size=prob_K.shape[0])
     first_row = torch.tensor([sum(plan.recv_rows[:s]) for s in range(len(plan.recv_rows))],
                              dtype=torch.long, device=device)
-    item_K = meta_K3[:, 1].long() + first_row[source_K]
-    return Entries(item_K, meta_K3[:, 2].long(), meta_K3[:, 0])
+    item_K = index_K2[:, 0].long() + first_row[source_K]
+    return Entries(item_K, index_K2[:, 1].long(), prob_K)
 
 
 @dataclass(frozen=True)
@@ -301,11 +363,12 @@ class AllToAllDispatcher(TokenDispatcher):
         hops = []
         for spec in self._hop_specs(x_TL.device):
             plan, positions_K = plan_hop(spec, items.shape[0], entries)
-            items = _exchange(plan.group, items.index_select(0, plan.pair_item_P),
-                              plan.send_rows, plan.recv_rows)
-            meta_K3 = _exchange(plan.group, entry_metadata(plan, entries, positions_K),
-                                plan.send_entries, plan.recv_entries)
-            entries = received_entries(plan, meta_K3)
+            prob_K, index_K2 = entry_metadata(plan, entries, positions_K)
+            items, prob_K, index_K2 = _exchange(
+                plan.group, [items.index_select(0, plan.pair_item_P), prob_K, index_K2],
+                [plan.send_rows, plan.send_entries, plan.send_entries],
+                [plan.recv_rows, plan.recv_entries, plan.recv_entries], (True, True, False))
+            entries = received_entries(plan, prob_K, index_K2)
             hops.append(plan)
         self._account(hops, x_TL, forward=True)
         row_entry_R, tokens_per_expert_E = expansion(hops[-1], entries, self.num_local,
@@ -319,7 +382,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def combine(self, out_RL: torch.Tensor, plan: ExchangePlan) -> torch.Tensor:
         y = sum_rows(out_RL, plan.row_item_R, plan.num_items)
         for hop in reversed(plan.hops):
-            back = _exchange(hop.group, y, hop.recv_rows, hop.send_rows)
+            (back,) = _exchange(hop.group, [y], [hop.recv_rows], [hop.send_rows], (True,))
             y = sum_rows(back, hop.pair_item_P, hop.num_items)
         self._account(plan.hops, out_RL, forward=False)
         return y
@@ -414,17 +477,17 @@ class _Pipeline(torch.autograd.Function):
             for spec in specs:
                 with stage(DISPATCH):
                     plan, positions_K = plan_hop(spec, items.shape[0], entries)
-                    rows, w_rows = _all_to_all(plan.group, items.index_select(0, plan.pair_item_P),
-                                               plan.send_rows, plan.recv_rows, async_op=True)
-                    meta, w_meta = _all_to_all(plan.group, entry_metadata(plan, entries, positions_K),
-                                               plan.send_entries, plan.recv_entries, async_op=True)
+                    pending = start_exchange(
+                        plan.group, [items.index_select(0, plan.pair_item_P),
+                                     *entry_metadata(plan, entries, positions_K)],
+                        [plan.send_rows, plan.send_entries, plan.send_entries],
+                        [plan.recv_rows, plan.recv_entries, plan.recv_entries])
                 yield
                 with stage(DISPATCH):
-                    w_rows.wait()
-                    w_meta.wait()
+                    items, prob_K, index_K2 = pending.result()
                     chunk.hops.append(plan)
                     chunk.hop_entry_counts.append(entries.item_K.numel())
-                    items, entries = rows, received_entries(plan, meta)
+                    entries = received_entries(plan, prob_K, index_K2)
             dispatcher._account(chunk.hops, x_TL, forward=True)
             with stage(DISPATCH):
                 chunk.row_entry_R, counts_E = expansion(chunk.hops[-1], entries,
@@ -445,11 +508,10 @@ class _Pipeline(torch.autograd.Function):
             y = sum_rows(out_RL.detach(), chunk.row_item_R, chunk.num_items)
             for hop in reversed(chunk.hops):
                 with stage(COMBINE):
-                    back, work = _all_to_all(hop.group, y, hop.recv_rows, hop.send_rows,
-                                             async_op=True)
+                    pending = start_exchange(hop.group, [y], [hop.recv_rows], [hop.send_rows])
                 yield
                 with stage(COMBINE):
-                    work.wait()
+                    (back,) = pending.result()
                     y = sum_rows(back, hop.pair_item_P, hop.num_items)
             dispatcher._account(chunk.hops, out_RL, forward=False)
             y_parts[index] = y
@@ -475,12 +537,11 @@ class _Pipeline(torch.autograd.Function):
             g = grad_y_TL[chunk.part]
             for hop in chunk.hops:
                 with stage(COMBINE):
-                    g_rows, work = _all_to_all(hop.group, g.index_select(0, hop.pair_item_P),
-                                               hop.send_rows, hop.recv_rows, async_op=True)
+                    pending = start_exchange(hop.group, [g.index_select(0, hop.pair_item_P)],
+                                             [hop.send_rows], [hop.recv_rows])
                 yield
                 with stage(COMBINE):
-                    work.wait()
-                    g = g_rows
+                    (g,) = pending.result()
             with stage(EXPERTS):
                 inputs = [t for t in (chunk.rows_leaf, chunk.probs_leaf) if t.requires_grad]
                 wanted = inputs + list(ctx.params)
@@ -493,40 +554,33 @@ class _Pipeline(torch.autograd.Function):
                 g_probs_R = grads.pop(0) if chunk.probs_leaf.requires_grad else None
                 param_grads[index] = grads
                 chunk.out_RL = None  # free the experts' graph
-            # The reverse of dispatch: row and probability gradients follow the hops backwards.
+            # The reverse of dispatch: row and probability gradients follow the hops backwards,
+            # in one exchange per hop as in dispatch's (absent ones travel as zeros there too).
             with stage(DISPATCH):
-                g_items = None
-                if g_rows_R is not None:
-                    g_items = sum_rows(g_rows_R, chunk.row_item_R, chunk.num_items)
-                g_entries = None
-                if g_probs_R is not None:
-                    num_entries = chunk.row_entry_R.numel()
-                    g_entries = g_probs_R.new_zeros(num_entries).index_add(
-                        0, chunk.row_entry_R, g_probs_R)
+                num_entries = chunk.row_entry_R.numel()
+                if g_rows_R is None:
+                    g_rows_R = g.new_zeros(chunk.row_item_R.numel(), ctx.x_shape[-1],
+                                           dtype=ctx.x_dtype)
+                if g_probs_R is None:
+                    g_probs_R = g.new_zeros(num_entries, dtype=torch.float32)
+                g_items = sum_rows(g_rows_R, chunk.row_item_R, chunk.num_items)
+                g_entries = g_probs_R.new_zeros(num_entries).index_add(
+                    0, chunk.row_entry_R, g_probs_R)
             for hop, num_entries in zip(reversed(chunk.hops), reversed(chunk.hop_entry_counts)):
                 with stage(DISPATCH):
-                    works = []
-                    if g_items is not None:
-                        back_rows, w = _all_to_all(hop.group, g_items, hop.recv_rows,
-                                                   hop.send_rows, async_op=True)
-                        works.append(w)
-                    if g_entries is not None:
-                        back_entries, w = _all_to_all(hop.group, g_entries, hop.recv_entries,
-                                                      hop.send_entries, async_op=True)
-                        works.append(w)
+                    pending = start_exchange(hop.group, [g_items, g_entries],
+                                             [hop.recv_rows, hop.recv_entries],
+                                             [hop.send_rows, hop.send_entries])
                 yield
                 with stage(DISPATCH):
-                    for w in works:
-                        w.wait()
-                    if g_items is not None:
-                        g_items = sum_rows(back_rows, hop.pair_item_P, hop.num_items)
-                    if g_entries is not None:
-                        g_entries = back_entries.new_zeros(num_entries).index_add(
-                            0, hop.entry_order_K, back_entries)
+                    back_rows, back_entries = pending.result()
+                    g_items = sum_rows(back_rows, hop.pair_item_P, hop.num_items)
+                    g_entries = back_entries.new_zeros(num_entries).index_add(
+                        0, hop.entry_order_K, back_entries)
             with stage(DISPATCH):
-                if grad_x is not None and g_items is not None:
+                if grad_x is not None:
                     grad_x[chunk.part] = g_items
-                if grad_probs is not None and g_entries is not None:
+                if grad_probs is not None:
                     source = chunk.entries
                     grad_probs[chunk.part] = torch.zeros(
                         grad_probs[chunk.part].shape, dtype=ctx.probs_dtype,
