@@ -26,7 +26,12 @@ from megatron_slmoe.lora.base import (
     new_param,
 )
 from megatron_slmoe.moe.experts import LatentSwiGLUExperts
-from megatron_slmoe.ops.lora_expert import LoRAGroupedWeights, lora_expert_mlp, lora_grouped_linear
+from megatron_slmoe.ops.lora_expert import (
+    LoRAGroupedWeights,
+    expert_activation,
+    lora_expert_mlp,
+    lora_grouped_linear,
+)
 
 # --- routed experts ------------------------------------------------------------------------------
 
@@ -116,10 +121,11 @@ class LoRALatentSwiGLUExperts(LoRAModule, LatentSwiGLUExperts):
                     rows_RL, counts,
                     LoRAGroupedWeights(self.fc1_weight, self.fc1_lora_A, self.fc1_lora_B),
                     LoRAGroupedWeights(self.fc2_weight, self.fc2_lora_A, self.fc2_lora_B),
-                    self.lora_scaling, self._dropout_p(), probs_R)
-        h_RF2 = self._projection("fc1", rows_RL, counts)
-        gate_RF, up_RF = h_RF2.chunk(2, dim=-1)
-        return self._projection("fc2", F.silu(gate_RF) * up_RF, counts, probs_R)
+                    self.lora_scaling, self._dropout_p(), self.config.activation_func,
+                    self.config.gated_linear_unit, probs_R)
+        act_RF = expert_activation(self._projection("fc1", rows_RL, counts),
+                                   self.config.activation_func, self.config.gated_linear_unit)
+        return self._projection("fc2", act_RF, counts, probs_R)
 
     def lora_pieces(self):
         pieces = []
