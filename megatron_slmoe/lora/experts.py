@@ -121,8 +121,9 @@ class LoRALatentSwiGLUExperts(LoRAModule, LatentSwiGLUExperts):
                     rows_RL, counts,
                     LoRAGroupedWeights(self.fc1_weight, self.fc1_lora_A, self.fc1_lora_B),
                     LoRAGroupedWeights(self.fc2_weight, self.fc2_lora_A, self.fc2_lora_B),
-                    self.lora_scaling, self._dropout_p(), self.config.activation_func,
-                    self.config.gated_linear_unit, probs_R)
+                    self.lora_scaling, self._dropout_p(),
+                    activation_func=self.config.activation_func,
+                    gated=self.config.gated_linear_unit, probs_T=probs_R)
         act_RF = expert_activation(self._projection("fc1", rows_RL, counts),
                                    self.config.activation_func, self.config.gated_linear_unit)
         return self._projection("fc2", act_RF, counts, probs_R)

@@ -43,7 +43,7 @@ def test_expert_mlp_op_compiles_in_one_graph():
     leaves = [x, probs, fc1.lora_a, fc1.lora_b, fc2.lora_a, fc2.lora_b]
 
     def mlp(x_, probs_):
-        return lora_expert_mlp(x_, counts, fc1, fc2, 2.0, 0.0, probs_)
+        return lora_expert_mlp(x_, counts, fc1, fc2, 2.0, 0.0, probs_T=probs_)
 
     seen = []
     compiled = torch.compile(mlp, backend=recording_backend(seen), fullgraph=True)
