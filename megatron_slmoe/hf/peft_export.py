@@ -75,9 +75,24 @@ def _in_memory(hf: HFModel, canonical: str, params: dict) -> str:
     return canonical
 
 
+def check_shapes(loras: list[HFLoRA], hf: HFModel, meta) -> None:
+    """Every HF LoRA's weight exists in the base model with the LoRA's [out, in] (an adapter
+    trained on another base is refused here, in one line)."""
+    shapes = {}
+    for name, tensor in meta.state_dict(keep_vars=True).items():
+        shapes.update(hf.family.layouts.canonical(name, tuple(tensor.shape)))
+    for lora in loras:
+        want = shapes.get(lora.hf_weight)
+        if want != (lora.out_features, lora.in_features):
+            raise HFCheckpointError(
+                f"LoRA on Megatron {lora.megatron} gives {lora.hf_weight} "
+                f"[{lora.out_features}, {lora.in_features}], but {hf.checkpoint.config_path} "
+                f"describes " + (f"{list(want)}" if want else "no such weight")
+                + " (an adapter for another base model?)")
+
+
 def plan_targets(loras: list[HFLoRA], hf: HFModel, meta, layout: str) -> list[PeftTarget]:
-    """Group the HF LoRAs into PEFT targets of ``layout``; one line for a weight the HF model
-    does not have."""
+    """Group the HF LoRAs (shapes checked) into PEFT targets of ``layout``."""
     params = dict(meta.named_parameters())
     modules = dict(meta.named_modules())
     targets: list[PeftTarget] = []
@@ -257,6 +272,7 @@ def export_peft_adapter(adapter_dir: str, hf_dir, output: str, layout: str = "pe
             if a is None or b is None:
                 raise HFCheckpointError(f"{weights}: {module} has only one LoRA factor")
             loras += hf_loras(table, module, lora_config.rank, b[0], a[1], hf.family.name)
+        check_shapes(loras, hf, meta)
         targets = plan_targets(loras, hf, meta, layout)
         config = peft_config_dict(lora_config, targets, meta, hf,
                                   base_model_name_or_path or hf.checkpoint.directory)
