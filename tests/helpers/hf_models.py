@@ -106,6 +106,37 @@ def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids).logits.float()
 
 
+# --- a tokenizer with a chat template -----------------------------------------------------------
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def save_chatml_tokenizer(path, **config):
+    """A byte-level BPE ``tokenizer.json`` (about 300 tokens) and a ``tokenizer_config.json`` with
+    ChatML's special tokens and template (``config`` overrides its entries) in ``path``, as a
+    checkpoint directory holds them."""
+    import json
+
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(["Answer in digits. two one 2 1 nine 9 assistant user system"] * 5,
+                                trainer=trainer)
+    path.mkdir(exist_ok=True)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
+        **config}))
+    return path
+
+
 # --- block-scaled FP8 -----------------------------------------------------------------------------
 
 

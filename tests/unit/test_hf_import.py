@@ -155,16 +155,3 @@ def test_fp8_slices_at_any_offset_dequantise_like_the_whole(tmp_path):
                            (slice(17, 18), slice(31, 33))):
             torch.testing.assert_close(reader.read("w.weight", (rows, cols)),
                                        reference[rows, cols], rtol=0, atol=0)
-
-
-def test_import_settings_validate_in_one_line(tmp_path):
-    from megatron_slmoe.hf import HFImportConfig
-
-    HFImportConfig().validate()
-    (tmp_path / "config.json").write_text("{}")
-    HFImportConfig(hf_checkpoint=str(tmp_path)).validate()
-    for settings, message in ((HFImportConfig(hf_checkpoint=str(tmp_path / "nope")), "no such"),
-                              (HFImportConfig(hf_checkpoint=str(tmp_path.parent)), "no config"),
-                              (HFImportConfig(hf_unmap_mib=0), "--hf-unmap-mib")):
-        with pytest.raises(ValueError, match=message):
-            settings.validate()

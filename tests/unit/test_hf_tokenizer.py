@@ -3,45 +3,23 @@ tokenizer_config.json, conversations rendered exactly as transformers' apply_cha
 and tokenizes them, loss targets on the answers and their end-of-turn tokens only, and one-line
 errors for unusable directories."""
 
-import json
 
 import pytest
 
 from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.instruction import build_generation_prompt, render_chat
 from megatron_slmoe.data.tokenizer import load_tokenizer
+from tests.helpers import hf_models
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 MESSAGES = [{"role": "system", "content": "Answer in digits."},
             {"role": "user", "content": "two one"}, {"role": "assistant", "content": "2 1"},
             {"role": "user", "content": "nine"}, {"role": "assistant", "content": "9"}]
 
 
-def _hf_tokenizer_dir(path, **config):
-    import tokenizers
-
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(["Answer in digits. two one 2 1 nine 9 assistant user system"] * 5,
-                                trainer=trainer)
-    path.mkdir(exist_ok=True)
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
-        **config}))
-    return path
-
-
 def test_chat_template_matches_transformers(tmp_path):
     from transformers import AutoTokenizer
 
-    directory = _hf_tokenizer_dir(tmp_path / "tok")
+    directory = hf_models.save_chatml_tokenizer(tmp_path / "tok")
     tokenizer = load_tokenizer(str(directory))
     assert tokenizer.eos_id == tokenizer.token_to_id("<|im_end|>")
     assert tokenizer.pad_id == tokenizer.token_to_id("<|endoftext|>")
@@ -57,8 +35,8 @@ def test_chat_template_matches_transformers(tmp_path):
 
 
 def test_no_pad_token_pads_with_eos_and_jinja_file_wins(tmp_path):
-    directory = _hf_tokenizer_dir(tmp_path / "tok", pad_token=None)
-    (directory / "chat_template.jinja").write_text(CHATML.replace("\\n", " "))
+    directory = hf_models.save_chatml_tokenizer(tmp_path / "tok", pad_token=None)
+    (directory / "chat_template.jinja").write_text(hf_models.CHATML.replace("\\n", " "))
     tokenizer = load_tokenizer(str(directory))
     assert tokenizer.pad_id == tokenizer.eos_id
     assert "\n" not in tokenizer.decode(render_chat(tokenizer, MESSAGES)[0])
@@ -72,7 +50,7 @@ def test_no_pad_token_pads_with_eos_and_jinja_file_wins(tmp_path):
      "renders earlier turns differently"),
 ])
 def test_bad_tokenizer_directory_is_one_line(tmp_path, config, message):
-    directory = _hf_tokenizer_dir(tmp_path / "tok", **config)
+    directory = hf_models.save_chatml_tokenizer(tmp_path / "tok", **config)
     with pytest.raises(DataError) as err:
         render_chat(load_tokenizer(str(directory)), MESSAGES)
     assert message in str(err.value) and "\n" not in str(err.value)

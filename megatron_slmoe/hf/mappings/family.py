@@ -15,9 +15,17 @@ from typing import Any, Optional
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.hf.errors import HFCheckpointError
-from megatron_slmoe.hf.mappings.kinds import Direct, GroupedQKV, MappingTable, PerExpert, Rule, Stack
+from megatron_slmoe.hf.mappings.kinds import (
+    Direct,
+    GroupedQKV,
+    MappingTable,
+    PerExpert,
+    Rule,
+    Stack,
+)
 from megatron_slmoe.hf.mappings.layouts import Layouts
-from megatron_slmoe.model.config import ModelConfig  # the one import of ModelConfig in hf/
+# The one import of ModelConfig in hf/.
+from megatron_slmoe.model.config import ModelConfig
 from megatron_slmoe.model.validation import validate_moe_config
 
 # HF activation names -> our model files' activation_func names.

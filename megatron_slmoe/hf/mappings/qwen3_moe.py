@@ -11,8 +11,8 @@ from megatron_slmoe.hf.mappings.family import (
     embedding_rules,
     expert_rules,
     gqa_attention_rules,
-    layernorm_rules,
     layer_freq,
+    layernorm_rules,
     mlp_rules,
 )
 from megatron_slmoe.hf.mappings.kinds import Direct, MappingTable, Rule
