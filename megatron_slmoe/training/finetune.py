@@ -279,6 +279,24 @@ class Trainer:
                      "eval_loss_before": eval_before}, output.keep_last)
         return self._finish(eval_before, eval_loss, iteration)
 
+    def _export_hf(self, adapter_dir: str) -> None:
+        """--export-hf: rank 0 writes the saved adapter as a PEFT adapter of the HF base (no
+        collective inside: the adapter file is layout independent); every rank raises its error."""
+        from megatron_slmoe.hf.peft_export import export_peft_adapter
+
+        output, error = self.run_config.output, None
+        if self.rank == 0:
+            try:
+                export_peft_adapter(adapter_dir, self.run_config.model.hf_checkpoint,
+                                    output.export_hf, layout=output.export_hf_layout)
+                self._info(f"[finetune] PEFT adapter: {output.export_hf}")
+            except (OSError, ValueError) as err:
+                error = f"--export-hf {output.export_hf}: {err}"
+        status = [error]
+        torch.distributed.broadcast_object_list(status, src=0)
+        if status[0]:
+            raise RuntimeError(status[0])
+
     def _finish(self, eval_before: float, eval_after: float, iteration: int) -> int:
         adapter_dir = None
         if self.lora_config is not None:
@@ -289,6 +307,8 @@ class Trainer:
                          {"model_config": self.model_config.name,
                           "base_checkpoint": self.run_config.model.base_checkpoint,
                           "hf_checkpoint": self.run_config.model.hf_checkpoint})
+        if self.run_config.output.export_hf:
+            self._export_hf(adapter_dir)
         if self.run_config.output.save_base:
             from megatron_slmoe.training.checkpointing import save_base_checkpoint
 
