@@ -4,6 +4,7 @@
     slmoe-convert-hf export --adapter RUN/adapter --hf-checkpoint DIR --output PEFT_DIR \\
         [--expert-layout per-expert|fused]
     slmoe-convert-hf export --merged --adapter RUN/adapter --hf-checkpoint DIR --output HF_DIR
+    slmoe-convert-hf import-adapter --peft-adapter PEFT_DIR --hf-checkpoint DIR --output ADAPTER
     torchrun --nproc-per-node 8 -m megatron_slmoe.commands.convert_hf import --hf-checkpoint DIR \\
         --output OUT --expert-model-parallel-size 8   # each rank holds and reads only its shard
 
@@ -67,6 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "--hf-checkpoint), e.g. the hub id serving stacks load")
     exp.add_argument("--max-shard-size-mib", type=int, default=5120,
                      help="merged checkpoint: MiB per safetensors shard")
+    imp_adapter = commands.add_parser("import-adapter", help="PEFT adapter -> megatron_slmoe "
+                                                             "adapter (for --adapter-init)")
+    imp_adapter.add_argument("--peft-adapter", required=True,
+                             help="PEFT LoRA adapter directory (adapter_config.json, "
+                                  "adapter_model.safetensors)")
+    imp_adapter.add_argument("--hf-checkpoint", required=True,
+                             help="the HF checkpoint directory of its base model")
+    imp_adapter.add_argument("--output", required=True, help="new (or empty) directory")
     return parser.parse_args(argv)
 
 
@@ -173,6 +182,17 @@ def run_export(args) -> str:
         raise BadInput(str(err)) from None
 
 
+def run_import_adapter(args) -> str:
+    from megatron_slmoe.hf.errors import HFCheckpointError
+    from megatron_slmoe.hf.peft_import import peft_to_adapter
+
+    output = _check_output(args.output)
+    try:
+        return peft_to_adapter(args.peft_adapter, args.hf_checkpoint, output)
+    except HFCheckpointError as err:
+        raise BadInput(str(err)) from None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
@@ -180,7 +200,8 @@ def main(argv=None) -> int:
     try:
         import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
 
-        output = run_export(args) if args.command == "export" else run_import(args)
+        output = {"export": run_export, "import-adapter": run_import_adapter,
+                  "import": run_import}[args.command](args)
     except BadInput as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -192,6 +213,8 @@ def main(argv=None) -> int:
         raise
     if args.command == "export":
         print(f"exported {args.adapter or args.hf_checkpoint} -> {output}")
+    elif args.command == "import-adapter":
+        print(f"imported {args.peft_adapter} -> {output} (--adapter-init {output})")
     elif int(os.environ.get("RANK", "0")) == 0:
         print(f"imported {args.hf_checkpoint} -> {output} (--model-config "
               f"{os.path.join(output, 'model_config.yaml')} --base-checkpoint {output})")

@@ -47,7 +47,9 @@ class ModelSection(Section):
              "peak host memory is its shard, one source tensor and this window)")
     adapter_init: Optional[str] = setting(
         None, flag="--adapter-init",
-        help="start from this adapter directory instead of fresh LoRA weights")
+        help="start from this adapter directory instead of fresh LoRA weights: one a run saved, "
+             "or a PEFT adapter of the --hf-checkpoint base (its rank, alpha and targets are "
+             "taken)")
     finetune_mode: Literal["lora", "full"] = setting(
         "lora", flag="--finetune-mode",
         help="'lora' trains adapters on a frozen base; 'full' trains every weight (how the "

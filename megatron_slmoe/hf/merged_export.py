@@ -80,7 +80,7 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
         for module in megatron_lora_modules(adapter_shapes):
             a = adapter_shapes[f"{module}.lora_A.weight"]
             b = adapter_shapes[f"{module}.lora_B.weight"]
-            for lora in hf_loras(table, module, lora_config.rank, b[0], a[1], hf.family.name):
+            for lora in hf_loras(table, module, b[0], a[1], hf.family.name):
                 loras[lora.hf_weight] = lora
     reader = SliceReader(checkpoint)
     planned = []

@@ -271,7 +271,7 @@ def export_peft_adapter(adapter_dir: str, hf_dir, output: str, layout: str = "pe
             a, b = shapes.get(f"{module}.lora_A.weight"), shapes.get(f"{module}.lora_B.weight")
             if a is None or b is None:
                 raise HFCheckpointError(f"{weights}: {module} has only one LoRA factor")
-            loras += hf_loras(table, module, lora_config.rank, b[0], a[1], hf.family.name)
+            loras += hf_loras(table, module, b[0], a[1], hf.family.name)
         check_shapes(loras, hf, meta)
         targets = plan_targets(loras, hf, meta, layout)
         config = peft_config_dict(lora_config, targets, meta, hf,

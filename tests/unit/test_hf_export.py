@@ -136,3 +136,70 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path, capsys):
     assert _convert("--adapter", root / "adapter", "--hf-checkpoint", root / "hf", "--output",
                     out) == 2
     assert "not an empty directory" in capsys.readouterr().err
+
+
+# --- PEFT adapters in ------------------------------------------------------------------------------
+
+
+def _peft_made_adapter(family, directory):
+    """A PEFT adapter made by PEFT itself on the HF model (random B too), with a rank and an alpha
+    pattern, a dense MLP parameter and the fused experts; returns its logits."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "q_proj", "v_proj"]
+                        if family == "qwen3_moe" else ["o_proj"],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                           "model.layers.0.mlp.up_proj.weight"],
+                        rank_pattern={"o_proj": 2}, alpha_pattern={"o_proj": 3},
+                        init_lora_weights=False)
+    model = get_peft_model(hf_models.build(family), config).eval()
+    model.save_pretrained(directory)
+    return hf_models.hf_logits(model, hf_models.tokens())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_peft_adapter_imported_gives_peft_logits(tmp_path, family):
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+    from megatron_slmoe.lora.adapter import load_adapter
+
+    hf_models.save_family(family, str(tmp_path / "hf"))
+    peft_logits = _peft_made_adapter(family, str(tmp_path / "peft"))
+    assert _convert_import(tmp_path) == 0
+    hf = open_hf_checkpoint(str(tmp_path / "hf"), check_shapes=False)
+    model, _ = build_model_in_layout(hf.model_config)
+    load_hf_weights([model], str(tmp_path / "hf"), hf)
+    config = load_adapter([model], str(tmp_path / "adapter"))
+    assert config.rank == (8 if family == "qwen3_moe" else 4)  # q and v stack in linear_qkv
+    torch.testing.assert_close(hf_models.megatron_logits(model, hf_models.tokens()), peft_logits,
+                               rtol=1e-5, atol=2e-5)
+
+
+def _convert_import(tmp_path):
+    from megatron_slmoe.commands.convert_hf import main
+
+    return main(["import-adapter", "--peft-adapter", str(tmp_path / "peft"), "--hf-checkpoint",
+                 str(tmp_path / "hf"), "--output", str(tmp_path / "adapter")])
+
+
+def test_peft_options_we_cannot_honour_are_refused(tmp_path, capsys):
+    hf_models.save_family("qwen3_moe", str(tmp_path / "hf"))
+    _peft_made_adapter("qwen3_moe", str(tmp_path / "peft"))
+    config_path = tmp_path / "peft" / "adapter_config.json"
+    original = json.loads(config_path.read_text())
+    for option, value in (("use_dora", True), ("bias", "all"), ("fan_in_fan_out", True)):
+        config_path.write_text(json.dumps({**original, option: value}))
+        assert _convert_import(tmp_path) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and option in err, err
+        assert not (tmp_path / "adapter").exists()
+    config_path.write_text(json.dumps(original))
+    other = tmp_path / "hf"
+    import shutil
+
+    shutil.rmtree(other)
+    hf_models.save_family("qwen3_moe", str(other), moe_intermediate_size=24)
+    assert _convert_import(tmp_path) == 2  # an adapter of another base: its shapes
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the base" in err, err
+    assert not (tmp_path / "adapter").exists()

@@ -23,6 +23,23 @@ from megatron_slmoe.hf.mappings.kinds import MappingTable, PerExpert
 _EXPERT_MODULE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.linear_(?P<fc>fc[12])$")
 
 
+# The LoRA target (``megatron_slmoe.lora.targets``) that adapts the Megatron weight of a table rule,
+# by the end of the rule's name; the modules PEFT import must give an adapter file.
+LORA_TARGET_OF_RULE = (
+    (".self_attention.linear_qkv.weight", "linear_qkv"),
+    (".self_attention.linear_proj.weight", "linear_proj"),
+    (".mlp.shared_experts.linear_fc1.weight", "shared_experts"),
+    (".mlp.shared_experts.linear_fc2.weight", "shared_experts"),
+    (".mlp.linear_fc1.weight", "linear_fc1"),
+    (".mlp.linear_fc2.weight", "linear_fc2"),
+    (".mlp.experts.fc1_weight", "linear_fc1"),
+    (".mlp.experts.fc2_weight", "linear_fc2"),
+    (".mlp.router.weight", "router"),
+    (".mlp.latent_down.weight", "latent"),
+    (".mlp.latent_up.weight", "latent"),
+)
+
+
 @dataclass(frozen=True)
 class RowMap:
     """Rows ``megatron`` of the Megatron module's B are rows ``hf`` of the HF weight's B."""
@@ -55,8 +72,8 @@ def megatron_lora_modules(tensor_names) -> list[str]:
     return modules
 
 
-def hf_loras(table: MappingTable, module: str, rank: int, out_features: int,
-             in_features: int, family: str) -> list[HFLoRA]:
+def hf_loras(table: MappingTable, module: str, out_features: int, in_features: int,
+             family: str) -> list[HFLoRA]:
     """The HF LoRAs that Megatron LoRA module ``module`` (B [out, r], A [r, in]) is made of.
     Raises HFCheckpointError (one line) for a module the family's table has no rule for, or one
     whose rule does not split into whole rows of HF weights."""
