@@ -5,8 +5,8 @@ the weights, and the tokenizer (with its chat template) is the checkpoint's.
 - under EP=2 (the trainer's own set-up on the rank pool), the held-out loss before training is
   transformers' loss of the same checkpoint on the same batches (LoRA starts at zero), so the
   weights and the tokenizer really are the checkpoint's; the adapter then trains;
-- the launcher (``HF_CHECKPOINT``) refuses a truncated shard in one line, exit code 2, before
-  torchrun starts (``--validate-only``).
+- the entry point's checks before start-up pass on it; the launcher (``HF_CHECKPOINT``) refuses
+  a truncated shard in one line, exit code 2, before torchrun starts (``--validate-only``).
 """
 
 import os
@@ -106,6 +106,18 @@ def test_the_adapter_trains(ep2_run):
     assert all(torch.isfinite(torch.tensor(result["losses"])))
     assert result["losses"][1] != result["losses"][0]
     assert result["eval_after"] != result["eval_before"]
+
+
+def test_entry_point_accepts_the_checkpoint_before_start_up(checkpoint, tmp_path, capsys):
+    """``--validate-only`` (what the launcher runs before torchrun): config.json, every shard
+    header and tensor shape, the checkpoint's tokenizer and the memory check, in-process."""
+    from megatron_slmoe.training.finetune import main
+
+    hf_dir, _ = checkpoint
+    group_before = torch.distributed.is_initialized()  # other in-process tests may leave one
+    assert main([*_args(hf_dir, tmp_path / "run"), "--validate-only"]) == 0, capsys.readouterr()
+    assert torch.distributed.is_initialized() == group_before  # forms no process group
+    assert not (tmp_path / "run").exists()
 
 
 def test_launcher_refuses_a_truncated_shard_before_torchrun(checkpoint, tmp_path):
