@@ -28,7 +28,7 @@ INDEX = "model.safetensors.index.json"
 _TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
-def _weights(hf: HFModel) -> list[tuple[str, tuple[int, ...]]]:
+def hf_weights(hf: HFModel) -> list[tuple[str, tuple[int, ...]]]:
     """(canonical key, shape) of every weight of the model, as save_pretrained names them."""
     from megatron_slmoe.hf.peft_export import hf_meta_model
 
@@ -60,9 +60,7 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
     as an HF checkpoint into the new (or empty) directory ``output``; returns its path."""
     from safetensors import safe_open
 
-    from megatron_slmoe.hf.convert import TOKENIZER_FILES
     from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, read_adapter_config
-    from megatron_slmoe.utils.atomic import atomic_directory, write_json_atomic
 
     hf = hf_dir if isinstance(hf_dir, HFModel) else open_hf_checkpoint(hf_dir, check_shapes=True)
     checkpoint = hf.checkpoint
@@ -84,7 +82,7 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
                 loras[lora.hf_weight] = lora
     reader = SliceReader(checkpoint)
     planned = []
-    for key, shape in _weights(hf):
+    for key, shape in hf_weights(hf):
         found = hf.family.layouts.resolve(key, shapes)
         if found is None or found.shape != shape:
             raise HFCheckpointError(f"{checkpoint.directory}: tensor {key} {list(shape)} is in "
@@ -113,29 +111,41 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
     if loras:
         raise HFCheckpointError(f"the adapter has LoRA for {next(iter(loras))}, which the "
                                 f"{hf.family.name} model does not have")
-    shards = _shards(planned, max_shard_bytes)
-    output = os.path.abspath(output)
     try:
-        with atomic_directory(output) as staging:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = (f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
-                        else "model.safetensors")
-                write_streamed(os.path.join(staging, name), shard, metadata={"format": "pt"})
-                weight_map.update({t.name: name for t in shard})
-            if len(shards) > 1:
-                write_json_atomic(os.path.join(staging, INDEX), {
-                    "metadata": {"total_size": sum(t.nbytes for t in planned)},
-                    "weight_map": weight_map})
-            config = dict(checkpoint.config)
-            config.pop("quantization_config", None)  # weights are written dequantised
-            write_json_atomic(os.path.join(staging, "config.json"), config)
-            for name in TOKENIZER_FILES:
-                path = os.path.join(checkpoint.directory, name)
-                if os.path.isfile(path):
-                    shutil.copyfile(path, os.path.join(staging, name))
+        return write_hf_checkpoint(output, planned, checkpoint, max_shard_bytes)
     finally:
         reader.close()
         if source is not None:
             source.__exit__(None, None, None)
+
+
+def write_hf_checkpoint(output: str, planned: list[PlannedTensor], checkpoint,
+                        max_shard_bytes: int) -> str:
+    """Write ``planned`` (produced one at a time) as an HF checkpoint directory ``output`` (new or
+    empty): shards of about ``max_shard_bytes`` and their index, the base ``checkpoint``'s
+    config.json (without FP8 quantization settings: weights are written dequantised) and
+    tokenizer files; staged and renamed into place."""
+    from megatron_slmoe.hf.convert import TOKENIZER_FILES
+    from megatron_slmoe.utils.atomic import atomic_directory, write_json_atomic
+
+    shards = _shards(planned, max_shard_bytes)
+    output = os.path.abspath(output)
+    with atomic_directory(output) as staging:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = (f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+                    else "model.safetensors")
+            write_streamed(os.path.join(staging, name), shard, metadata={"format": "pt"})
+            weight_map.update({t.name: name for t in shard})
+        if len(shards) > 1:
+            write_json_atomic(os.path.join(staging, INDEX), {
+                "metadata": {"total_size": sum(t.nbytes for t in planned)},
+                "weight_map": weight_map})
+        config = dict(checkpoint.config)
+        config.pop("quantization_config", None)
+        write_json_atomic(os.path.join(staging, "config.json"), config)
+        for name in TOKENIZER_FILES:
+            path = os.path.join(checkpoint.directory, name)
+            if os.path.isfile(path):
+                shutil.copyfile(path, os.path.join(staging, name))
     return output

@@ -1,7 +1,8 @@
 """Adapters out of a parallel run: LoRA fine-tuning from ``--hf-checkpoint`` on 2 ranks with EP=2
 (a few steps), and TP=2 with sequence parallelism starting from a PEFT adapter via
 ``--adapter-init``, then ``--export-hf``: PEFT loads the exported adapter on transformers' model
-and gives the Megatron model's logits (fp32), computed on the ranks in their layout.
+and gives the Megatron model's logits (fp32), computed on the ranks in their layout; the frozen
+base weights, gathered from the layout into an HF checkpoint, are bitwise the checkpoint's.
 
 The TP=2 case takes no training step: on the rank pool, TP=2 training lets the TP-replicated LoRA
 factors (row-parallel B, experts under expert-TP 1) drift apart between the two ranks, so no
@@ -39,6 +40,13 @@ def finetune_and_export(args: list[str], steps: int = ITERS):
     adapter_dir = f"{trainer.output_dir}/adapter"
     save_adapter([trainer.model], adapter_dir, trainer.lora_config)
     trainer._export_hf(adapter_dir)
+    from megatron_slmoe.hf.loader import open_hf_checkpoint
+    from megatron_slmoe.hf.megatron_export import export_megatron_weights
+    from megatron_slmoe.lora.inject import unwrap_chunks
+
+    hf = open_hf_checkpoint(trainer.run_config.model.hf_checkpoint, check_shapes=False)
+    export_megatron_weights(unwrap_chunks(trainer.model), hf, f"{trainer.output_dir}/base-hf",
+                            max_shard_bytes=64 * 2**10)
     if trainer.writer:
         trainer.writer.close()
     return logits, trainer.run_config.lora.rank
@@ -80,4 +88,7 @@ def test_exported_adapter_gives_the_finetuned_logits(checkpoint, tmp_path, layou
     base_logits = hf_models.hf_logits(base, input_ids)
     peft = hf_models.hf_logits(PeftModel.from_pretrained(base, str(peft_dir)).eval(), input_ids)
     torch.testing.assert_close(peft, megatron, rtol=1e-5, atol=2e-5)
+    from tests.helpers.hf_models import assert_same_tensors
+
+    assert_same_tensors(checkpoint, output / "base-hf")
     assert (peft - base_logits).abs().max() > 1e-3  # the adapter changes the model

@@ -269,3 +269,19 @@ def import_with_lora(hf_dir: str, targets, rank: int = 4, alpha: float = 8.0, se
             if getattr(param, "is_lora", False):
                 param.copy_(0.3 * torch.randn(param.shape, generator=gen))
     return model, lora_config
+
+
+def assert_same_tensors(expected_dir, actual_dir):
+    """Every tensor of the safetensors files of two HF checkpoint directories, bitwise."""
+    from safetensors import safe_open
+
+    read = {}
+    for name, directory in (("expected", expected_dir), ("actual", actual_dir)):
+        read[name] = {}
+        for file in sorted(os.listdir(directory)):
+            if file.endswith(".safetensors"):
+                with safe_open(os.path.join(directory, file), "pt") as f:
+                    read[name].update({k: f.get_tensor(k) for k in f.keys()})
+    assert read["actual"].keys() == read["expected"].keys()
+    for key, tensor in read["expected"].items():
+        assert torch.equal(read["actual"][key], tensor), key
