@@ -39,7 +39,8 @@ from megatron_slmoe.hf.safetensors_stream import DTYPE_NAMES, PlannedTensor, wri
 LAYOUTS = ("per-expert", "fused")
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
-_PREFIX = "base_model.model."
+PEFT_KEY_PREFIX = "base_model.model."
+"""What PEFT puts before a module path in adapter_model.safetensors."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ def planned_tensors(targets: list[PeftTarget], source, rank: int) -> list[Planne
     dtype = _source_dtype(source)
     tensors = []
     for t in targets:
-        key = f"{_PREFIX}{t.key_module}"
+        key = f"{PEFT_KEY_PREFIX}{t.key_module}"
         first = t.loras[0][0]
         out = sum(p.out_features for p in t.loras[0])
         if t.experts == 1 and (t.parameter is None or len(t.loras[0]) == 1):

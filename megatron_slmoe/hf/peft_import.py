@@ -30,10 +30,14 @@ from megatron_slmoe.hf.errors import HFCheckpointError
 from megatron_slmoe.hf.loader import HFModel, open_hf_checkpoint
 from megatron_slmoe.hf.mappings.kinds import PerExpert
 from megatron_slmoe.hf.mappings.lora import LORA_TARGET_OF_RULE, hf_loras
-from megatron_slmoe.hf.peft_export import PEFT_CONFIG, PEFT_WEIGHTS, hf_meta_model
+from megatron_slmoe.hf.peft_export import (
+    PEFT_CONFIG,
+    PEFT_KEY_PREFIX,
+    PEFT_WEIGHTS,
+    hf_meta_model,
+)
 from megatron_slmoe.hf.safetensors_stream import PlannedTensor, write_streamed
 
-_PREFIX = "base_model.model."
 
 
 def is_peft_adapter(directory: str) -> bool:
@@ -98,9 +102,9 @@ def peft_blocks(directory: str, hf: HFModel, meta, config: dict, shapes: dict
     for a_key in [k for k in shapes if k.endswith(".lora_A.weight")]:
         key = a_key[:-len(".lora_A.weight")]
         b_shape, a_shape = shapes.get(f"{key}.lora_B.weight"), shapes[a_key]
-        if b_shape is None or not key.startswith(_PREFIX):
+        if b_shape is None or not key.startswith(PEFT_KEY_PREFIX):
             raise HFCheckpointError(f"{weights}: {a_key} is not a PEFT LoRA key of a base model")
-        path = key[len(_PREFIX):]
+        path = key[len(PEFT_KEY_PREFIX):]
         depth = 0
         while path.endswith(".base_layer"):
             path, depth = path[:-len(".base_layer")], depth + 1
@@ -171,8 +175,11 @@ def megatron_modules(hf: HFModel, weights: dict) -> list[tuple[str, str, int, in
                     continue
                 out = sum(weights[n][0] for n in dict.fromkeys(hf_names))
                 module = rule.megatron.format(**names)
-                module = (f"{module.rsplit('.', 1)[0]}.{expert}.linear_{module.rsplit('.', 1)[1][:3]}"
-                          if per_expert else module[:-len(".weight")])
+                if per_expert:  # ...experts.fc1_weight -> ...experts.<e>.linear_fc1
+                    stacked, weight = module.rsplit(".", 1)
+                    module = f"{stacked}.{expert}.linear_{weight[:3]}"
+                else:
+                    module = module[:-len(".weight")]
                 found.append((module, target, out, weights[hf_names[0]][1]))
     return found
 

@@ -147,7 +147,7 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path, capsys):
     assert "not an empty directory" in capsys.readouterr().err
 
 
-# --- PEFT adapters in ------------------------------------------------------------------------------
+# --- PEFT adapters in -----------------------------------------------------------------------------
 
 
 def _peft_made_adapter(family, directory):

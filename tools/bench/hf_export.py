@@ -60,8 +60,9 @@ def write_adapter(args, hf_dir: str, directory: str) -> int:
     shapes = {}
     for layer in range(args.layers):
         p = f"decoder.layers.{layer}"
+        attention_width = t["num_attention_heads"] * t["kv_channels"]
         modules = {f"{p}.self_attention.linear_qkv": (qkv, d),
-                   f"{p}.self_attention.linear_proj": (d, t["num_attention_heads"] * t["kv_channels"])}
+                   f"{p}.self_attention.linear_proj": (d, attention_width)}
         if layer == 0:
             modules.update({f"{p}.mlp.linear_fc1": (8 * d, d), f"{p}.mlp.linear_fc2": (d, 4 * d)})
         else:
@@ -162,8 +163,8 @@ def main(argv=None) -> int:
         adapter_bytes = write_adapter(args, os.path.join(work, "hf"), os.path.join(work, "adapter"))
         rows = []
         for method in METHODS:
-            proc = subprocess.run([sys.executable, __file__, "--measure", method, "--workdir", work],
-                                  capture_output=True, text=True, check=True)
+            proc = subprocess.run([sys.executable, __file__, "--measure", method,
+                                   "--workdir", work], capture_output=True, text=True, check=True)
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         merged = {m: _checksum(os.path.join(work, m)) for m in ("merged_streaming", "merged_whole")}
         if abs(merged["merged_streaming"] - merged["merged_whole"]) > 1e-6 * abs(

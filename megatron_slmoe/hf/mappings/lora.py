@@ -51,7 +51,8 @@ class RowMap:
 @dataclass(frozen=True)
 class HFLoRA:
     """The LoRA of one HF weight (canonical name as checkpoints store it), made from the Megatron
-    LoRA module ``megatron``: A is the module's A, B is assembled from the module's B by ``rows``."""
+    LoRA module ``megatron``: A is the module's A, B is assembled from the module's B by
+    ``rows``."""
 
     hf_weight: str
     megatron: str
