@@ -126,6 +126,10 @@ def measure(method: str, work: str) -> dict:
     from megatron_slmoe.hf.peft_export import export_peft_adapter
 
     adapter, hf_dir, out = (os.path.join(work, n) for n in ("adapter", "hf", method))
+    # Every method's libraries are imported before the start, so the peak is the export's own.
+    import peft  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
     before = _rss()
     _reset_peak_rss()
     start = time.perf_counter()
