@@ -212,3 +212,25 @@ def test_peft_options_we_cannot_honour_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "the base" in err, err
     assert not (tmp_path / "adapter").exists()
+
+
+def test_run_start_refuses_a_busy_export_dir_and_a_peft_init_without_its_base(tmp_path):
+    """Checked before any process group forms, not after hours of training."""
+    from megatron_slmoe.config.cli import parse_command_line
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.training.inputs import _check_paths
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("keep")
+    (tmp_path / "hf").mkdir()
+    run = parse_command_line(["--hf-checkpoint", str(tmp_path / "hf"), "--export-hf", str(busy)],
+                             prog="t", description="", world_size=1).run
+    with pytest.raises(ConfigError, match="--export-hf .* is not an empty directory"):
+        _check_paths(run)
+    (tmp_path / "peft").mkdir()
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    run = parse_command_line(["--adapter-init", str(tmp_path / "peft")], prog="t",
+                             description="", world_size=1).run
+    with pytest.raises(ConfigError, match="PEFT adapter; it needs --hf-checkpoint"):
+        _check_paths(run)
