@@ -22,7 +22,12 @@ from megatron_slmoe.hf.checkpoint import SliceReader
 from megatron_slmoe.hf.errors import HFCheckpointError
 from megatron_slmoe.hf.loader import HFModel, open_hf_checkpoint
 from megatron_slmoe.hf.mappings.lora import HFLoRA, hf_loras, megatron_lora_modules
-from megatron_slmoe.hf.safetensors_stream import DTYPE_NAMES, PlannedTensor, write_streamed
+from megatron_slmoe.hf.safetensors_stream import (
+    DTYPE_NAMES,
+    PlannedTensor,
+    WindowedReader,
+    write_streamed,
+)
 
 INDEX = "model.safetensors.index.json"
 _TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -58,8 +63,6 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
                   max_shard_bytes: int = 5 * 2**30) -> str:
     """Write the base ``hf_dir`` with the adapter ``adapter_dir`` merged (None: the base alone)
     as an HF checkpoint into the new (or empty) directory ``output``; returns its path."""
-    from safetensors import safe_open
-
     from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, read_adapter_config
 
     hf = hf_dir if isinstance(hf_dir, HFModel) else open_hf_checkpoint(hf_dir, check_shapes=True)
@@ -71,8 +74,7 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
     if adapter_dir is not None:
         lora_config, _ = read_adapter_config(adapter_dir)
         scaling = lora_config.scaling
-        source = safe_open(os.path.join(adapter_dir, ADAPTER_WEIGHTS), framework="pt",
-                           device="cpu")
+        source = WindowedReader(os.path.join(adapter_dir, ADAPTER_WEIGHTS))
         table = hf.family.table(hf.model_config)
         adapter_shapes = {n: tuple(source.get_slice(n).get_shape()) for n in source.keys()}
         for module in megatron_lora_modules(adapter_shapes):
@@ -116,7 +118,7 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
     finally:
         reader.close()
         if source is not None:
-            source.__exit__(None, None, None)
+            source.close()
 
 
 def write_hf_checkpoint(output: str, planned: list[PlannedTensor], checkpoint,

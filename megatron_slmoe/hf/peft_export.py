@@ -34,7 +34,12 @@ import torch
 from megatron_slmoe.hf.errors import HFCheckpointError
 from megatron_slmoe.hf.loader import HFModel, open_hf_checkpoint
 from megatron_slmoe.hf.mappings.lora import HFLoRA, hf_loras, megatron_lora_modules
-from megatron_slmoe.hf.safetensors_stream import DTYPE_NAMES, PlannedTensor, write_streamed
+from megatron_slmoe.hf.safetensors_stream import (
+    DTYPE_NAMES,
+    PlannedTensor,
+    WindowedReader,
+    write_streamed,
+)
 
 LAYOUTS = ("per-expert", "fused")
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -204,7 +209,7 @@ def peft_config_dict(lora_config, targets: list[PeftTarget], meta, hf: HFModel,
 
 
 def planned_tensors(targets: list[PeftTarget], source, rank: int) -> list[PlannedTensor]:
-    """Every PEFT tensor, produced from the adapter file ``source`` (a safe_open handle)."""
+    """Every PEFT tensor, produced from the adapter file ``source`` (a WindowedReader)."""
 
     def read(name: str) -> torch.Tensor:
         return source.get_tensor(name)
@@ -252,8 +257,6 @@ def export_peft_adapter(adapter_dir: str, hf_dir, output: str, layout: str = "pe
     """Write the PEFT adapter of ``adapter_dir`` for the HF base ``hf_dir`` into the new (or
     empty) directory ``output``; returns its absolute path. Bad input is one
     HFCheckpointError / AdapterError line and leaves nothing at ``output``."""
-    from safetensors import safe_open
-
     from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, read_adapter_config
     from megatron_slmoe.utils.atomic import atomic_directory, write_json_atomic
 
@@ -265,7 +268,7 @@ def export_peft_adapter(adapter_dir: str, hf_dir, output: str, layout: str = "pe
     meta = hf_meta_model(hf)
     weights = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     output = os.path.abspath(output)
-    with safe_open(weights, framework="pt", device="cpu") as source:
+    with WindowedReader(weights) as source:
         shapes = {name: tuple(source.get_slice(name).get_shape()) for name in source.keys()}
         loras = []
         for module in megatron_lora_modules(shapes):

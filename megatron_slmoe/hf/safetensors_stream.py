@@ -42,6 +42,47 @@ class PlannedTensor:
         return n
 
 
+class WindowedReader:
+    """``get_tensor`` / ``get_slice`` of one safetensors file, reopened after every
+    ``unmap_after_bytes`` read: safetensors maps the file, and the pages a read touched stay
+    resident until the file is closed, so reading a large file whole would hold it all."""
+
+    def __init__(self, path: str, unmap_after_bytes: int = 64 * 2**20) -> None:
+        self.path, self.unmap_after_bytes = path, unmap_after_bytes
+        self._handle, self._read = None, 0
+
+    def _open(self):
+        from safetensors import safe_open
+
+        if self._handle is not None and self._read > self.unmap_after_bytes:
+            self.close()
+        if self._handle is None:
+            self._handle, self._read = safe_open(self.path, framework="pt", device="cpu"), 0
+        return self._handle
+
+    def keys(self):
+        return self._open().keys()
+
+    def get_slice(self, name: str):
+        return self._open().get_slice(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor = self._open().get_tensor(name)
+        self._read += tensor.nbytes
+        return tensor
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle = None
+
+    def __enter__(self) -> "WindowedReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def write_streamed(path: str, tensors: Sequence[PlannedTensor],
                    metadata: Optional[Mapping[str, str]] = None) -> int:
     """Write ``tensors`` into the safetensors file ``path`` (a staging path: the caller renames
