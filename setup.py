@@ -234,11 +234,11 @@ setup(
         "s3": S3_REQUIRES,
         # Hugging Face interop (megatron_slmoe.hf): model families, import, the SL-MoE model class.
         # Tested with 5.24; the 5.x series holds experts as fused 3D tensors in memory.
-        "hf": ["transformers>=5.24,<6"],
+        "hf": ["transformers>=5.24,<6", "peft==0.21.2"],
         # Storage pins: what the storage tests were run with. moto's server mode is their S3
         # endpoint (on 127.0.0.1, started by the tests themselves).
-        "test": ["pytest", "pytest-timeout", "transformers>=5.24,<6", "moto[server]==5.2.5",
-                 "multi-storage-client[boto3]==1.3.1", "boto3==1.44.8"],
+        "test": ["pytest", "pytest-timeout", "transformers>=5.24,<6", "peft==0.21.2",
+                 "moto[server]==5.2.5", "multi-storage-client[boto3]==1.3.1", "boto3==1.44.8"],
     },
     entry_points={"console_scripts": [
         "slmoe-finetune = megatron_slmoe.training.finetune:main",

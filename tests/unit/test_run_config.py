@@ -39,7 +39,8 @@ NON_DEFAULT = {
     "monitor": {"window": 9, "starved_fraction": 0.2, "starved_patience": 4,
                 "dominant_fraction": 0.6, "action": "stop", "jsonl_path": "routing.jsonl"},
     "output": {"output_dir": "out", "output_url": "s3://bucket/runs/a", "tensorboard": False,
-               "keep_last": 3, "resume": False, "save_base": None},
+               "keep_last": 3, "resume": False, "save_base": None, "export_hf": None,
+               "export_hf_layout": "fused"},
     "storage": {"cache_dir": "nvme/cache", "cache_max_gb": 12.5, "cache_revalidate_seconds": 0.0,
                 "prefetch_shards": 4, "retry_timeout_seconds": 120.0,
                 "retry_backoff_seconds": 0.25, "preflight_timeout_seconds": 5.0},
@@ -71,7 +72,8 @@ def test_the_table_covers_every_field_with_a_non_default_value():
     for section, cls in RunConfig.sections().items():
         for f in settings(cls):
             assert f.name in NON_DEFAULT[section], f"add {section}.{f.name} to NON_DEFAULT"
-            if f.name not in ("save_base", "finetune_mode", "hf_checkpoint"):  # see below
+            if f.name not in ("save_base", "finetune_mode", "hf_checkpoint",
+                              "export_hf"):  # see below
                 assert NON_DEFAULT[section][f.name] != defaults[section][f.name], (section, f.name)
 
 
@@ -91,6 +93,14 @@ def test_save_base_is_reachable_too():
     run = parse_command_line(["--finetune-mode", "full", "--save-base", "b"], prog="t",
                              description="", world_size=1).run
     assert (run.output.save_base, run.model.finetune_mode) == ("b", "full")
+
+
+def test_export_hf_is_reachable_too():
+    run = parse_command_line(["--hf-checkpoint", "hf/", "--export-hf", "peft/"], prog="t",
+                             description="", world_size=1).run
+    assert run.output.export_hf == "peft/"
+    with pytest.raises(ConfigError, match="--export-hf needs --hf-checkpoint"):
+        parse_command_line(["--export-hf", "peft/"], prog="t", description="", world_size=1)
 
 
 def test_hf_checkpoint_is_reachable_too():
