@@ -35,6 +35,8 @@ TARGETS: tuple[str, ...] = (
     "shared_experts",  # the shared expert's linear_fc1 and linear_fc2
     "router",          # the router's gating linear (full width, router dtype)
     "latent",          # latent_down (d -> l) and latent_up (l -> d)
+    "vision_attention",  # multimodal: the vision tower's attention linear_qkv and linear_proj
+    "projector",       # multimodal: the vision projector's linears (fc1/fc2, or the affine one)
 )
 """The LoRA target names, in the order messages list them."""
 

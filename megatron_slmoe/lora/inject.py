@@ -17,6 +17,10 @@ Target -> modules:
 ``shared_experts`` ``mlp.shared_experts.linear_fc1`` and ``.linear_fc2``
 ``router``         ``mlp.router`` (gating linear)
 ``latent``         ``mlp.latent_down`` and ``mlp.latent_up``
+``vision_attention`` multimodal models: the vision tower's ``self_attention.linear_qkv`` and
+                   ``.linear_proj`` (the language-model targets above never match in the tower)
+``projector``      multimodal models: the vision projector's ``linear_fc1`` / ``linear_fc2``
+                   (or its one affine linear)
 =================  ==========================================================================
 
 **Which targets must match.** Pipeline stages hold different layers, so a target may be absent
@@ -102,8 +106,30 @@ def global_module_name(local_name: str, prefixes: list[tuple[str, str]]) -> str:
     return local_name
 
 
-def _classify(parent: torch.nn.Module, attr: str, child: torch.nn.Module) -> str | None:
-    """The target a child module belongs to (``experts`` for routed experts), or None."""
+def _vision_parts(chunk: torch.nn.Module) -> dict[int, str]:
+    """id -> "vision" / "projector" for every module inside a multimodal model's vision tower or
+    projector (LLaVAModel's ``vision_model`` and ``vision_projection``)."""
+    parts = {}
+    for module in chunk.modules():
+        for attr, part in (("vision_model", "vision"), ("vision_projection", "projector")):
+            tower = getattr(module, attr, None)
+            if isinstance(tower, torch.nn.Module):
+                parts.update((id(m), part) for m in tower.modules())
+    return parts
+
+
+def _classify(parent: torch.nn.Module, attr: str, child: torch.nn.Module,
+              part: str | None = None) -> str | None:
+    """The target a child module belongs to (``experts`` for routed experts), or None. ``part``
+    says whether ``parent`` sits in a vision tower or projector (see :func:`_vision_parts`)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if part == "vision":
+        attention = attr in ("linear_qkv", "linear_proj") and not isinstance(parent, MLP)
+        return "vision_attention" if attention else None
+    if part == "projector":
+        linear = isinstance(child, (ColumnParallelLinear, RowParallelLinear))
+        return "projector" if linear else None
     if attr in ("linear_qkv", "linear_proj") and not isinstance(parent, MLP):
         return attr
     if attr in ("linear_fc1", "linear_fc2") and isinstance(parent, SharedExpertMLP):
@@ -123,9 +149,10 @@ def _candidates(chunks: list[torch.nn.Module]):
     """Every (chunk index, parent, attr, child, local name, target) that LoRA could adapt."""
     found = []
     for index, chunk in enumerate(chunks):
+        parts = _vision_parts(chunk)
         for parent_name, parent in chunk.named_modules():
             for attr, child in parent.named_children():
-                target = _classify(parent, attr, child)
+                target = _classify(parent, attr, child, parts.get(id(parent)))
                 if target is not None:
                     name = f"{parent_name}.{attr}" if parent_name else attr
                     found.append((index, parent, attr, child, name, target))
@@ -160,7 +187,9 @@ def _check_targets(lora_config: LoRAConfig, counts: dict[str, int]) -> None:
 
 
 def _keep_input_grad(chunk: torch.nn.Module) -> None:
-    embedding = getattr(chunk, "embedding", None)
+    # A multimodal model's text embedding is its language model's.
+    embedding = getattr(chunk, "embedding", None) or getattr(
+        getattr(chunk, "language_model", None), "embedding", None)
     config = getattr(chunk, "config", None)
     if embedding is None or getattr(config, "recompute_granularity", None) is None:
         return
