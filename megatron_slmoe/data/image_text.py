@@ -42,8 +42,9 @@ bad record is counted once per process by reason and logged with its shard and k
 * ``malformed record``: missing or wrongly typed fields, bad JSON, bad turn order;
 * ``too long``: the text and image positions do not fit in ``seq_length``.
 
-The counts of a rank are in ``dataset.stats``; :func:`reduce_skip_counts` sums them over the
-data-parallel ranks for the run's log and metrics.
+The records a rank found bad are in ``dataset.stats``; :func:`reduce_skip_counts` counts the
+distinct bad records over the data-parallel ranks (ranks may meet the same one) for the run's log
+and metrics.
 """
 
 from __future__ import annotations
@@ -97,10 +98,16 @@ class BadSample(ValueError):
 
 @dataclass
 class ImageTextStats:
-    """Counts of one process: records turned into samples, and bad records by reason."""
+    """What one process met: samples made, and the bad records (``(path, split, record)``) by
+    reason."""
 
     samples: int = 0
-    skipped: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    bad: Dict[str, set] = field(default_factory=lambda: {r: set() for r in REASONS})
+
+    @property
+    def skipped(self) -> Dict[str, int]:
+        """Bad records by reason."""
+        return {reason: len(records) for reason, records in self.bad.items()}
 
     @property
     def total_skipped(self) -> int:
@@ -309,6 +316,13 @@ class ImageTextDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def captioning(self) -> bool:
+        """Whether the split holds energon captioning samples."""
+        from megatron.energon import CaptioningSample
+
+        return issubclass(getattr(self.factory, "__sample_type__", object), CaptioningSample)
+
     def record_index(self, position: int) -> int:
         """The record read at position ``position`` of the (epoch-repeated) order."""
         epoch, within = divmod(int(position), self.records)
@@ -400,7 +414,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
 
     def _skip(self, record: int, err: BadSample) -> None:
         self._bad[record] = err.reason
-        self.stats.skipped[err.reason] += 1
+        self.stats.bad[err.reason].add((self.path, self.split, record))
         where = self._where(record)
         if self._warned < self.max_warnings:
             self._warned += 1
@@ -462,10 +476,13 @@ def collate_image_text(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, 
     return batch
 
 
-def reduce_skip_counts(stats: ImageTextStats, device: torch.device) -> Dict[str, int]:
-    """Bad-record counts by reason summed over the data-parallel ranks (collective)."""
+def reduce_skip_counts(*stats: ImageTextStats) -> Dict[str, int]:
+    """Distinct bad records by reason that the data-parallel ranks met in these datasets
+    (collective over the data-parallel group; bad records are few, so their ids travel)."""
     from megatron.core import parallel_state
 
-    counts = torch.tensor([stats.skipped[r] for r in REASONS], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-    return dict(zip(REASONS, counts.tolist()))
+    group = parallel_state.get_data_parallel_group()
+    mine = {reason: set().union(*(s.bad[reason] for s in stats)) for reason in REASONS}
+    gathered = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, mine, group=group)
+    return {reason: len(set().union(*(g[reason] for g in gathered))) for reason in REASONS}

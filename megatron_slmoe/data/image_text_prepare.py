@@ -216,8 +216,6 @@ def write_shards(records: Iterable[ShardRecord], folder: str, split: str,
                  samples_per_shard: int) -> int:
     """Write ``records`` as ``folder/split/shard-NNNNNN.tar`` (keys ``split_NNNNNNNN``); returns
     how many were written."""
-    if samples_per_shard < 1:
-        raise DataError(f"--samples-per-shard must be positive, got {samples_per_shard}")
     os.makedirs(os.path.join(folder, split), exist_ok=True)
     count, tar, path = 0, None, None
     try:
@@ -272,6 +270,8 @@ def prepare_image_text(output: str, splits: Dict[str, Iterable[ShardRecord]], ki
     renamed into place only when complete."""
     if os.path.exists(output):
         raise DataError(f"{output} already exists (choose a new output folder)")
+    if samples_per_shard < 1:
+        raise DataError(f"--samples-per-shard must be positive, got {samples_per_shard}")
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     staging = os.path.join(parent, f".{os.path.basename(output)}.tmp-{os.getpid()}")

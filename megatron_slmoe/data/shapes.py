@@ -4,8 +4,8 @@ Each scene is a 32 x 32 image with one to three shapes (circle, square, triangle
 quadrant, all of different kinds and different colours (red, green, blue, yellow), drawn with a
 pixel of jitter on a light background. From scenes come
 
-* captions (the base model's pretraining): ``a red circle at the top left and a blue triangle at
-  the bottom right`` (shapes in reading order of their quadrants);
+* captions (the base model's pretraining): ``red circle top left, blue triangle bottom right``
+  (shapes in reading order of their quadrants);
 * questions (the LoRA task), one per image, of four kinds with their answers:
   ``What colour is the circle?`` -> ``red``; ``Which shape is blue?`` -> ``triangle``;
   ``Where is the square?`` -> ``top left``; ``How many shapes are there?`` -> ``2``.
@@ -78,9 +78,8 @@ def draw_scene(scene: Scene, rng: random.Random) -> bytes:
 
 
 def caption(scene: Scene) -> str:
-    parts = [f"a {colour} {shape} at the {POSITIONS[quadrant]}" for quadrant, colour, shape
-             in scene]
-    return " and ".join(parts)
+    return ", ".join(f"{colour} {shape} {POSITIONS[quadrant]}" for quadrant, colour, shape
+                     in scene)
 
 
 def question(scene: Scene, rng: random.Random) -> Tuple[str, str]:
