@@ -33,6 +33,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType, ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -67,8 +68,9 @@ class VisionConfig:
     """Input image (tile) height in pixels; a multiple of patch_dim."""
     img_w: int = 32
     """Input image (tile) width in pixels; a multiple of patch_dim."""
-    patch_dim: int = 8
-    """Side of the square patches the tower embeds."""
+    patch_dim: int = 16
+    """Side of the square patches the tower embeds (the demo's 32 x 32 images: one patch per
+    quadrant)."""
     num_layers: int = 2
     """ViT transformer layers."""
     hidden_size: int = 64
@@ -267,4 +269,17 @@ def build_multimodal_model(model_config: ModelConfig, language_config: Transform
     )
     # Megatron's schedules read it; Megatron-LM's get_model sets it on every chunk it builds.
     model.model_type = ModelType.encoder_or_decoder
+    if model.vision_model is not None and language_config.perform_initialization:
+        _init_embeddings_like_clip(model.vision_model, language_config.init_method_std)
     return model
+
+
+def _init_embeddings_like_clip(tower, std: float) -> None:
+    """CLIP's initialisation of the tower's position embeddings and class token (N(0, std) and
+    N(0, width^-1/2)). Megatron leaves torch's N(0, 1) defaults, which drown the patch content
+    when a tower is trained from scratch; a pretrained tower's weights replace these anyway.
+    Draws from the default generator, which is in the same state on every rank here."""
+    with torch.no_grad():
+        tower.position_embeddings.weight.normal_(0.0, std)
+        if getattr(tower, "class_token", None) is not None:
+            tower.class_token.normal_(0.0, tower.visual_hidden_size ** -0.5)
