@@ -58,10 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this adapter directory instead of fresh LoRA weights")
 
     g = p.add_argument_group("data")
+    g.add_argument("--task", choices=["text", "image-text"], default="text",
+                   help="image-text: the multimodal model (vision tower + projector + this "
+                        "language model) on energon image-text datasets (default data: the "
+                        "synthetic shapes task, captions with --data-format pretrain)")
+    g.add_argument("--image-text-config", default=None,
+                   help="YAML of the image-text settings (vision tower, tiling, evaluation; "
+                        "megatron_slmoe.training.image_text.ImageTextConfig)")
     g.add_argument("--data-format", choices=["instruction", "pretrain"], default="instruction")
     g.add_argument("--train-data", default=None,
-                   help="instruction JSONL, or a Megatron indexed dataset prefix for pretrain "
-                        "(default: the shipped demo task / corpus)")
+                   help="instruction JSONL, a Megatron indexed dataset prefix for pretrain, or "
+                        "an energon dataset folder for image-text (default: the shipped demo "
+                        "task / corpus)")
     g.add_argument("--valid-data", default=None)
     g.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the shipped one)")
     g.add_argument("--seq-length", type=int, default=128)
@@ -184,10 +192,33 @@ def validate(args: argparse.Namespace, world_size: Optional[int] = None) -> None
         path = getattr(args, name)
         if path and not os.path.exists(path):
             raise ArgumentError(f"--{name.replace('_', '-')} {path}: no such file or directory")
-    if args.train_data and args.data_format == "instruction" and not os.path.isfile(args.train_data):
+    if args.task == "image-text":
+        _validate_image_text(args)
+    elif args.train_data and args.data_format == "instruction" and not os.path.isfile(args.train_data):
         raise ArgumentError(f"--train-data {args.train_data}: no such file")
-    if args.valid_data and args.data_format == "instruction" and not os.path.isfile(args.valid_data):
+    elif args.valid_data and args.data_format == "instruction" and not os.path.isfile(args.valid_data):
         raise ArgumentError(f"--valid-data {args.valid_data}: no such file")
+
+
+def _validate_image_text(args: argparse.Namespace) -> None:
+    for name in ("train_data", "valid_data"):
+        path = getattr(args, name)
+        if path and not os.path.isdir(os.path.join(path, ".nv-meta")):
+            raise ArgumentError(f"--{name.replace('_', '-')} {path}: not an energon dataset "
+                                f"folder (prepare one with tools/prepare_image_text.py)")
+    if args.image_text_config and not os.path.isfile(args.image_text_config):
+        raise ArgumentError(f"--image-text-config {args.image_text_config}: no such file")
+    from megatron_slmoe.training.image_text import ImageTextConfig
+
+    try:
+        settings = ImageTextConfig.from_yaml(args.image_text_config)
+        settings.vision.validate(tensor_parallel=args.tensor_model_parallel_size)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    if args.seq_length % args.tensor_model_parallel_size:
+        raise ArgumentError(f"--seq-length {args.seq_length} must be divisible by "
+                            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
+                            f"(the image-text sequence is split over tensor-parallel ranks)")
 
 
 def main_guard(argv: Optional[list[str]] = None) -> argparse.Namespace:

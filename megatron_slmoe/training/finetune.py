@@ -59,7 +59,14 @@ class Trainer:
         self.output_dir = args.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
         self.model_config = model_setup.model_config_for_run(load_model_config(args.model_config), args)
         self.bf16 = model_setup.use_bf16(args, self.platform)
-        model, self.config = model_setup.build_model(self.model_config, args, self.platform)
+        self.task = None
+        if args.task == "image-text":
+            from megatron_slmoe.training.image_text import ImageTextTask
+
+            self.task = ImageTextTask(args)
+        model, self.config = model_setup.build_model(
+            self.model_config, args, self.platform,
+            build=self.task.build_model if self.task else None)
         if args.base_checkpoint:
             model_setup.load_base_weights(model, args.base_checkpoint)
         self.lora_config = None
@@ -72,7 +79,11 @@ class Trainer:
 
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.train, self.valid, self.tokenizer = build_sources(args, self.model_config)
+        if self.task:
+            self.train, self.valid, self.tokenizer = self.task.datasets(self.model_config,
+                                                                        self.output_dir)
+        else:
+            self.train, self.valid, self.tokenizer = build_sources(args, self.model_config)
         self._num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
         self.writer = None
         if self.rank == 0:
@@ -103,6 +114,10 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------
 
     def _forward_step(self, data_iterator, model):
+        if self.task:
+            from megatron_slmoe.training.image_text import forward_step
+
+            return forward_step(self.platform.device(), data_iterator, model)
         batch = {k: v.to(self.platform.device()) for k, v in next(data_iterator).items()}
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, partial(_masked_mean_loss, batch["loss_mask"])
@@ -112,7 +127,8 @@ class Trainer:
         from megatron_slmoe.data.sampler import collate, micro_batches
 
         window = range(start, start + self.args.global_batch_size)
-        return [collate([dataset[i % len(dataset)] for i in part])
+        collate_fn = self.task.collate if self.task else collate
+        return [collate_fn([dataset[i % len(dataset)] for i in part])
                 for part in micro_batches(window, self.args.micro_batch_size, self.dp_rank,
                                           self.dp_size)]
 
@@ -166,10 +182,12 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
             iteration, consumed = state["iteration"], state["consumed_samples"]
             eval_before = state.get("eval_loss_before")
+            self.accuracy_before = state.get("accuracy_before")
             self._info(f"[finetune] resumed from {resume_from} at iteration {iteration}")
         if eval_before is None:
             eval_before = self.evaluate()
             self._info(f"[finetune] held-out loss before training: {eval_before:.4f}")
+            self.accuracy_before = self._answer_accuracy("before training")
 
         tokens_per_step = args.global_batch_size * args.seq_length
         self.collapse_warnings = 0
@@ -188,6 +206,8 @@ class Trainer:
                 eval_loss = self.evaluate()
                 record["eval_loss"] = eval_loss
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                if self.task:
+                    record["bad_samples"] = self.task.bad_samples()
                 elapsed = time.time() - window_start
                 record["tokens_per_s"] = tokens_per_step * window_steps / max(elapsed, 1e-9)
                 record["memory_bytes"] = _peak_memory(self.platform)
@@ -202,10 +222,25 @@ class Trainer:
                 checkpointing.save_checkpoint(
                     ckpt_root, iteration, [self.model], self.optimizer,
                     {"consumed_samples": consumed, "scheduler": self.scheduler.state_dict(),
-                     "eval_loss_before": eval_before}, args.keep_last)
+                     "eval_loss_before": eval_before,
+                     "accuracy_before": self.accuracy_before}, args.keep_last)
         return self._finish(eval_before, eval_loss, iteration)
 
+    def _answer_accuracy(self, when: str):
+        """Held-out exact-match answer accuracy of an image-text run (None otherwise)."""
+        if not self.task:
+            return None
+        accuracy, shown = self.task.answer_accuracy(self.ddp, self.args.micro_batch_size,
+                                                    self.platform.device())
+        if accuracy is not None:
+            self._info(f"[finetune] held-out answer accuracy {when}: {accuracy:.3f}")
+            for prompt, answer, reference in shown:
+                self._info(f"[finetune]   {prompt!r} -> {answer!r} (reference {reference!r})")
+        return accuracy
+
     def _finish(self, eval_before: float, eval_after: float, iteration: int) -> int:
+        accuracy_after = self._answer_accuracy("after training")
+        bad_samples = self.task.bad_samples() if self.task else None
         adapter_dir = None
         if self.lora_config is not None:
             from megatron_slmoe.lora.adapter import save_adapter
@@ -233,6 +268,9 @@ class Trainer:
                        "steps": iteration, "adapter_dir": adapter_dir,
                        "output_dir": self.output_dir, "finetune_mode": self.args.finetune_mode,
                        "expert_load_last_step": load, "collapse_warnings": self.collapse_warnings}
+            if self.task:
+                summary.update(task="image-text", accuracy_before=self.accuracy_before,
+                               accuracy_after=accuracy_after, bad_samples=bad_samples)
             with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
             worst = max((m["imbalance"] for m in load.values()), default=float("nan"))
@@ -242,6 +280,11 @@ class Trainer:
                        f"{self.collapse_warnings} collapse warnings")
             if adapter_dir:
                 self._info(f"[finetune] adapter: {adapter_dir}")
+            if self.task and accuracy_after is not None:
+                before = "n/a" if self.accuracy_before is None else f"{self.accuracy_before:.3f}"
+                self._info(f"[finetune] held-out answer accuracy {before} -> "
+                           f"{accuracy_after:.3f}; bad samples skipped: "
+                           f"{sum(bad_samples.values())} {bad_samples}")
             self._info(f"[finetune] held-out loss {eval_before:.4f} -> {eval_after:.4f}; "
                        f"summary in {os.path.join(self.output_dir, 'summary.json')}")
             self.writer.close()

@@ -58,7 +58,9 @@ def model_config_for_run(model_config: ModelConfig, args) -> ModelConfig:
     return dataclasses.replace(model_config, slmoe=dataclasses.replace(slmoe, **changes))
 
 
-def build_model(model_config: ModelConfig, args, platform):
+def build_model(model_config: ModelConfig, args, platform, build=None):
+    """This rank's model and its TransformerConfig; ``build(model_config, config, pre_process,
+    post_process)`` makes the model (default: the Stable Latent MoE GPTModel)."""
     bf16 = use_bf16(args, platform)
     overrides = dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -76,9 +78,9 @@ def build_model(model_config: ModelConfig, args, platform):
         if args.recompute_modules:
             overrides["recompute_modules"] = list(args.recompute_modules)
     config = model_config.transformer_config(**overrides)
-    model = build_gpt_model(model_config, config,
-                            pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=parallel_state.is_pipeline_last_stage())
+    model = (build or build_gpt_model)(model_config, config,
+                                       pre_process=parallel_state.is_pipeline_first_stage(),
+                                       post_process=parallel_state.is_pipeline_last_stage())
     model.to(platform.device())
     return model, config
 
