@@ -138,6 +138,7 @@ slmoe_opt_words LORA_ARGS --lora-target-modules "${LORA_TARGET_MODULES:-}"  # [q
 slmoe_opt LORA_ARGS --adapter-init "${ADAPTER_INIT:-}"            # [fresh LoRA weights]
 
 DATA_ARGS=()
+slmoe_opt DATA_ARGS --task "${TASK:-}"                            # text | image-text [text]
 slmoe_opt DATA_ARGS --data-format "${DATA_FORMAT:-}"              # instruction | pretrain [instruction]
 slmoe_opt DATA_ARGS --train-data "${TRAIN_DATA:-}"                # [the shipped demo task]
 slmoe_opt DATA_ARGS --valid-data "${VALID_DATA:-}"

@@ -1,91 +1,9 @@
 #!/usr/bin/env python
-"""Parameter census of a model config: total and active-per-token parameters, by component.
+"""Parameter census of a model config: total and active-per-token parameters, by component. (``slmoe-count-params``; see megatron_slmoe.commands.count_params)."""
 
-The whole model (no tensor, pipeline or expert parallelism) is built on the meta device, so even
-the 2.8e12-parameter flagship takes no memory and a few seconds.
-
-    python tools/count_params.py --config flagship_2p8t          # a table
-    python tools/count_params.py --config my_model.yaml --json   # one JSON object on stdout
-
-Bad input (missing file, invalid YAML, invalid configuration) is one line on stderr, exit code 2.
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import logging
-import resource
 import sys
-import time
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True,
-                        help="a model YAML file, or the name of a packaged config "
-                             "(tiny, flagship_2p8t)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    return parser.parse_args(argv)
-
-
-def _is_platform_error(err: BaseException) -> bool:
-    # PlatformError comes from the package import that failed, so it cannot be imported here.
-    platform = sys.modules.get("megatron_slmoe.platform")
-    return platform is not None and isinstance(err, platform.PlatformError)
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3f} {unit}"
-    return str(n)
-
-
-def _table(census: dict) -> str:
-    total = census["total_params"]
-    lines = [
-        f"model {census['config']} ({census['source']})",
-        f"  {'total parameters':<28}{total:>20,}  {_human(total)}",
-        f"  {'active per token':<28}{census['active_params_per_token']:>20,}  "
-        f"{_human(census['active_params_per_token'])} ({census['active_fraction']:.3%})",
-        f"  {'routed experts':<28}{census['num_moe_experts']:>20} top-{census['moe_router_topk']} "
-        f"in {census['num_moe_layers']} of {census['num_layers']} layers",
-    ]
-    for name, count in census["breakdown"].items():
-        lines.append(f"    {name:<26}{count:>20,}  {count / total:.3%}")
-    lines.append(f"  built on meta in {census['build_seconds']:.2f} s, "
-                 f"peak RSS {census['peak_rss_mib']:.0f} MiB")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    bad_input: tuple = ()
-    try:
-        import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-        from megatron_slmoe.moe.meta import count_parameters
-        from megatron_slmoe.moe.model_config import load_model_config
-        from megatron_slmoe.moe.validation import ConfigError
-
-        bad_input = (ConfigError,)
-        logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
-        model_config = load_model_config(args.config)
-        start = time.perf_counter()
-        census = count_parameters(model_config)
-    except Exception as err:  # noqa: BLE001  (bad input: one line; anything else: traceback)
-        if isinstance(err, bad_input) or _is_platform_error(err):
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
-    census = {
-        "config": model_config.name, "source": model_config.source, **census,
-        "build_seconds": round(time.perf_counter() - start, 3),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    }
-    print(json.dumps(census) if args.json else _table(census))
-    return 0
-
+from megatron_slmoe.commands.count_params import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,63 +1,9 @@
 #!/usr/bin/env python
-"""Tokenize text into Megatron-Core indexed data (PREFIX.bin + PREFIX.idx) for pretraining.
+"""Tokenize text into Megatron-Core indexed data (PREFIX.bin + PREFIX.idx) for pretraining. (``slmoe-preprocess-data``; see megatron_slmoe.commands.preprocess_data)."""
 
-    python tools/preprocess_data.py --input corpus.txt --tokenizer tokenizer.json --output-prefix data/corpus
-    python tools/preprocess_data.py --input docs.jsonl --json-key text --tokenizer tokenizer.json \\
-        --output-prefix data/docs
-
-Documents: ``.jsonl`` -> the ``--json-key`` string of each line; other files -> paragraphs
-separated by blank lines (``--document-per-line``: each non-empty line). Each document is written as
-one sequence followed by ``<|eos|>``. Bad records are skipped with a warning ``FILE:LINE: ...`` and
-counted; bad input (missing file, invalid tokenizer, no documents) is one line on stderr, exit 2.
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import logging
 import sys
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", required=True, help="a .jsonl or plain-text file")
-    parser.add_argument("--tokenizer", required=True, help="a tokenizer.json")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--json-key", default="text", help="the text field of .jsonl records")
-    parser.add_argument("--document-per-line", action="store_true",
-                        help="plain text: each non-empty line is a document (default: paragraphs)")
-    parser.add_argument("--no-eos", action="store_true", help="do not append <|eos|> per document")
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    try:
-        import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-        from megatron_slmoe.data.pretrain import preprocess
-        from megatron_slmoe.data.tokenizer import load_tokenizer
-
-        logging.getLogger("megatron").setLevel(logging.ERROR)
-        tokenizer = load_tokenizer(args.tokenizer)
-        stats = preprocess(args.input, tokenizer, args.output_prefix, json_key=args.json_key,
-                           document_per_line=args.document_per_line, append_eos=not args.no_eos)
-    except Exception as err:  # noqa: BLE001  (bad input: one line; anything else: traceback)
-        data = sys.modules.get("megatron_slmoe.data.errors")
-        if data is not None and isinstance(err, data.DataError):
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
-    summary = {"input": args.input, "output_prefix": args.output_prefix, **stats.__dict__}
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"wrote {args.output_prefix}.bin/.idx: {stats.documents} documents, {stats.tokens} "
-              f"tokens, {stats.skipped} bad records skipped {stats.by_reason or ''}".rstrip())
-    return 0
-
+from megatron_slmoe.commands.preprocess_data import main
 
 if __name__ == "__main__":
     sys.exit(main())

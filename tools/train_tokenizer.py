@@ -1,50 +1,9 @@
 #!/usr/bin/env python
-"""Train a byte-level BPE tokenizer (tokenizer.json) on text or JSONL files.
+"""Train a byte-level BPE tokenizer (tokenizer.json) on text or JSONL files. (``slmoe-train-tokenizer``; see megatron_slmoe.commands.train_tokenizer)."""
 
-    python tools/train_tokenizer.py --input corpus.txt task.jsonl --vocab-size 512 --output tokenizer.json
-
-Inputs: ``.txt`` (every line) or ``.jsonl`` (the ``text``, ``prompt``, ``response`` and
-``messages[].content`` strings). Special tokens ``<|pad|> <|eos|> <|bos|> <|system|> <|user|>
-<|assistant|>`` get ids 0..5. Bad input (missing file, vocabulary too small) is one line on stderr,
-exit code 2.
-"""
-
-from __future__ import annotations
-
-import argparse
-import logging
 import sys
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, help="training text files (.txt, .jsonl)")
-    parser.add_argument("--vocab-size", type=int, required=True,
-                        help="total vocabulary, special tokens and 256 byte symbols included")
-    parser.add_argument("--output", required=True, help="path of the tokenizer.json to write")
-    parser.add_argument("--min-frequency", type=int, default=2, help="least count of a merged pair")
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-        from megatron_slmoe.data.tokenizer import train_tokenizer
-
-        logging.getLogger("megatron").setLevel(logging.ERROR)
-        tokenizer = train_tokenizer(args.input, args.vocab_size, args.output,
-                                    min_frequency=args.min_frequency)
-    except Exception as err:  # noqa: BLE001  (bad input: one line; anything else: traceback)
-        data = sys.modules.get("megatron_slmoe.data.errors")
-        if data is not None and isinstance(err, data.DataError):
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
-    specials = " ".join(f"{tok}={tid}" for tok, tid in tokenizer.special_tokens.items())
-    print(f"wrote {args.output}: vocab_size {tokenizer.vocab_size}, special tokens {specials}")
-    return 0
-
+from megatron_slmoe.commands.train_tokenizer import main
 
 if __name__ == "__main__":
     sys.exit(main())

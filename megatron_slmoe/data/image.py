@@ -26,8 +26,7 @@ from typing import Tuple
 
 import torch
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+from megatron_slmoe.config.run import CLIP_MEAN, CLIP_STD
 
 
 class ImageDecodeError(ValueError):

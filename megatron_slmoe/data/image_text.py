@@ -60,6 +60,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megatron_slmoe.config.run import IMAGE_TOKEN
 from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.image import (
     ImageDecodeError,
@@ -78,8 +79,6 @@ from megatron_slmoe.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-IMAGE_TOKEN = "<image>"
-"""Where an image goes in message text."""
 
 KINDS = ("caption", "vqa", "chat")
 REASONS = ("undecodable image", "image count mismatch", "path escapes dataset",

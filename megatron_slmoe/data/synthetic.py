@@ -35,6 +35,8 @@ import os
 import random
 from typing import Dict, List, Sequence, Tuple
 
+from megatron_slmoe.utils.atomic import write_text_atomic
+
 SEED = 20240611
 CORPUS_DOCS = 1200
 TASK_TRAIN = 2000
@@ -196,8 +198,7 @@ def write_assets(out_dir: str, seed: int = SEED, tokenizer: bool = True) -> Dict
     for name, text in ((CORPUS_FILE, generate_corpus(seed=seed)),
                        (TASK_TRAIN_FILE, records_to_jsonl(train)),
                        (TASK_EVAL_FILE, records_to_jsonl(evals))):
-        with open(paths[name], "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
+        write_text_atomic(paths[name], text)
     if tokenizer:
         from megatron_slmoe.data.tokenizer import train_tokenizer
 

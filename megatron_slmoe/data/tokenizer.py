@@ -25,6 +25,7 @@ import os
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 from megatron_slmoe.data.errors import DataError, require_file
+from megatron_slmoe.utils.atomic import write_text_atomic
 
 PAD = "<|pad|>"
 EOS = "<|eos|>"
@@ -111,7 +112,7 @@ class Tokenizer:
         return self.special_tokens[token]
 
     def save(self, path: str) -> None:
-        _atomic_write_text(path, self._tk.to_str(pretty=True))
+        write_text_atomic(path, self._tk.to_str(pretty=True) + "\n")
 
     # ---- Megatron-Core duck type -----------------------------------------------------------------
 
@@ -245,19 +246,3 @@ def train_tokenizer(text_files: Sequence[str], vocab_size: int, output_path: str
     tokenizer = Tokenizer(backend, path=os.fspath(output_path))
     tokenizer.save(os.fspath(output_path))
     return tokenizer
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            if not text.endswith("\n"):
-                f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

@@ -1,4 +1,5 @@
-"""Launch-time checks that run before any process group forms (used by scripts/pretrain_lora.sh).
+"""Launch-time checks that run before any process group forms (used by scripts/pretrain_lora.sh),
+and where ranks sit on nodes (``topology``, shared by the dispatchers and the preflight).
 
 - ``python -m megatron_slmoe.launch.netcheck --profile ib|roce|hccl``: the network profile's
   NCCL_*/HCCL_* settings against this machine (interfaces, HCAs, ports, GID types, value ranges).

@@ -1,33 +1,35 @@
 """LoRA fine-tuning of Megatron-Core models with Stable Latent MoE layers.
 
-* :class:`LoRAConfig` (``config``): rank, alpha, dropout, targets; adapter_config.json.
-* :func:`inject_lora` (``inject``): adapters into the targeted modules, everything else frozen.
-* ``layers``: the tensor-parallel-aware LoRA modules (linears, router, latent, experts).
-* :func:`save_adapter` / :func:`load_adapter` / :func:`lora_state_dict` / :func:`merge_lora`
-  (``adapter``): layout-independent safetensors adapters, and folding them into the base.
+* ``targets``: the one registry of LoRA targets (which modules each name adapts, and how);
+* ``inject``: :func:`inject_lora` puts adapters into the targeted modules, freezing the rest;
+* ``base``, ``linear``, ``router``, ``latent``, ``experts``: the LoRA modules, by what they adapt;
+* ``adapter``: layout-independent safetensors adapters (the file layout, save/load) and merging.
+
+The LoRA settings are ``megatron_slmoe.config.run.LoRAConfig`` (re-exported here).
 """
 
+from megatron_slmoe.config.run import LoRAConfig
 from megatron_slmoe.lora.adapter import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdapterError,
+    adapter_config_json,
     describe_adapter,
     load_adapter,
+    lora_config_from_json,
     lora_sharded_state_dict,
     lora_state_dict,
     merge_lora,
     read_adapter_config,
+    read_base_info,
     save_adapter,
 )
-from megatron_slmoe.lora.config import TARGETS, LoRAConfig, read_base_info
-from megatron_slmoe.lora.inject import LoRATargetError, inject_lora, lora_modules
-from megatron_slmoe.lora.layers import (
-    LoRAColumnParallelLinear,
-    LoRALatentProjection,
-    LoRALatentSwiGLUExperts,
-    LoRARowParallelLinear,
-    lora_router_class,
-)
+from megatron_slmoe.lora.experts import LoRALatentSwiGLUExperts
+from megatron_slmoe.lora.inject import inject_lora, lora_modules
+from megatron_slmoe.lora.latent import LoRALatentProjection
+from megatron_slmoe.lora.linear import LoRAColumnParallelLinear, LoRARowParallelLinear
+from megatron_slmoe.lora.router import lora_router_class
+from megatron_slmoe.lora.targets import TARGETS, LoRATargetError
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -40,9 +42,11 @@ __all__ = [
     "LoRARowParallelLinear",
     "LoRATargetError",
     "TARGETS",
+    "adapter_config_json",
     "describe_adapter",
     "inject_lora",
     "load_adapter",
+    "lora_config_from_json",
     "lora_modules",
     "lora_router_class",
     "lora_sharded_state_dict",

@@ -3,7 +3,7 @@
 An adapter directory holds two files and nothing that is unpickled:
 
 * ``adapter_config.json``: format version, tensor naming, the LoRAConfig, the base model identity
-  (see ``LoRAConfig.to_json``);
+  (``adapter_config_json`` writes it, ``lora_config_from_json`` / ``read_base_info`` read it);
 * ``adapter_model.safetensors``: every LoRA tensor, unsharded, in its TP=1 layout.
 
 **Tensor names** (``tensor_naming = megatron_slmoe.global.v1``): the Megatron module path with the
@@ -33,15 +33,16 @@ then agrees with the others (one all-reduce) that nothing was missing or left ov
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import tempfile
 from typing import Any, Mapping, Optional
 
 import torch
 from megatron.core import parallel_state
 
-from megatron_slmoe.lora.config import FORMAT_VERSION, TENSOR_NAMING, LoRAConfig, read_base_info
+from megatron_slmoe.config.run import LoRAConfig
+from megatron_slmoe.config.schema import settings
+from megatron_slmoe.lora.base import LoRAPiece
 from megatron_slmoe.lora.inject import (
     ModelChunks,
     inject_lora,
@@ -49,14 +50,86 @@ from megatron_slmoe.lora.inject import (
     lora_modules,
     unwrap_chunks,
 )
-from megatron_slmoe.lora.layers import LoRAPiece
+from megatron_slmoe.utils.atomic import atomic_directory
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
+FORMAT_VERSION = 1
+"""Version of the adapter directory format (adapter_config.json + adapter_model.safetensors)."""
+
+TENSOR_NAMING = "megatron_slmoe.global.v1"
+"""How tensors are named in adapter_model.safetensors (see the module doc)."""
+
 
 class AdapterError(ValueError):
     """An adapter that cannot be read, or does not fit the model (one line)."""
+
+
+# --- adapter_config.json -------------------------------------------------------------------------
+
+
+def adapter_config_json(lora_config: LoRAConfig, base_info: Mapping[str, Any] | None = None) -> str:
+    """The content of adapter_config.json: format version, tensor naming, the LoRA settings and
+    ``base_info`` (identity of the base model, e.g. {"model_config": "tiny"}), JSON-able."""
+    document = {
+        "format_version": FORMAT_VERSION,
+        "tensor_naming": TENSOR_NAMING,
+        "lora": lora_config.to_dict(),
+        "base_model": dict(base_info or {}),
+    }
+    try:
+        return json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"adapter base_info must be plain JSON values: {err}") from None
+
+
+def lora_config_from_json(text: str) -> LoRAConfig:
+    """The LoRAConfig of an adapter_config.json; one ValueError line for anything wrong."""
+    section = _parse_document(text)["lora"]
+    known = {f.name for f in settings(LoRAConfig)}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(f"adapter_config.json: unknown key lora.{unknown[0]} (known: "
+                         f"{', '.join(sorted(known))})")
+    missing = sorted(known - set(section))
+    if missing:
+        raise ValueError(f"adapter_config.json: lora.{missing[0]} is missing")
+    try:
+        return LoRAConfig(**section)
+    except ValueError as err:
+        raise ValueError(f"adapter_config.json: {err}") from None
+
+
+def read_base_info(text: str) -> dict[str, Any]:
+    """The base-model identity recorded in an adapter_config.json."""
+    return dict(_parse_document(text)["base_model"])
+
+
+def _parse_document(text: str) -> dict[str, Any]:
+    try:
+        document = json.loads(text)
+    except (json.JSONDecodeError, TypeError) as err:
+        raise ValueError(f"adapter_config.json is not valid JSON: {err}") from None
+    if not isinstance(document, dict):
+        raise ValueError("adapter_config.json must hold a JSON object")
+    version = document.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"adapter_config.json: format_version {version!r} is not supported "
+                         f"(this version reads {FORMAT_VERSION})")
+    naming = document.get("tensor_naming")
+    if naming != TENSOR_NAMING:
+        raise ValueError(f"adapter_config.json: tensor_naming {naming!r} is not supported "
+                         f"(expected {TENSOR_NAMING!r})")
+    unknown = sorted(set(document) - {"format_version", "tensor_naming", "lora", "base_model"})
+    if unknown:
+        raise ValueError(f"adapter_config.json: unknown key {unknown[0]!r}")
+    if not isinstance(document.get("lora"), dict):
+        raise ValueError("adapter_config.json: 'lora' must be an object of LoRA settings")
+    if not isinstance(document.get("base_model", {}), dict):
+        raise ValueError("adapter_config.json: 'base_model' must be an object")
+    document.setdefault("base_model", {})
+    return document
 
 
 # --- where this rank stands ----------------------------------------------------------------------
@@ -166,7 +239,7 @@ def save_adapter(model_chunks: ModelChunks, directory: str | os.PathLike, lora_c
     if injected is None:
         raise AdapterError("save_adapter: the model has no LoRA adapters (inject_lora first)")
     _check_same_config(injected, lora_config, "save_adapter's lora_config")
-    config_text = lora_config.to_json(base_info)
+    config_text = adapter_config_json(lora_config, base_info)
     directory = os.path.abspath(os.fspath(directory))
     tensors = lora_state_dict(model_chunks, dst=0)
     rank, world = _world()
@@ -187,47 +260,22 @@ def save_adapter(model_chunks: ModelChunks, directory: str | os.PathLike, lora_c
     return directory
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_adapter(directory: str, tensors: dict[str, torch.Tensor], config_text: str) -> None:
     from safetensors.torch import save_file
 
-    parent, base = os.path.split(directory)
     if os.path.lexists(directory):
         if not os.path.isdir(directory):
             raise AdapterError(f"{directory} exists and is not a directory")
         if os.listdir(directory) and not os.path.exists(os.path.join(directory, ADAPTER_CONFIG)):
             raise AdapterError(f"{directory} is a non-empty directory that holds no adapter; "
                                f"refusing to replace it")
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
-    try:
-        weights = os.path.join(staging, ADAPTER_WEIGHTS)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, weights,
+    with atomic_directory(directory, replace=True) as staging:
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  os.path.join(staging, ADAPTER_WEIGHTS),
                   metadata={"format": "pt", "format_version": str(FORMAT_VERSION),
                             "tensor_naming": TENSOR_NAMING})
-        config = os.path.join(staging, ADAPTER_CONFIG)
-        with open(config, "w", encoding="utf-8") as fh:
+        with open(os.path.join(staging, ADAPTER_CONFIG), "w", encoding="utf-8") as fh:
             fh.write(config_text)
-        for path in (weights, config, staging):
-            _fsync(path)
-        if os.path.lexists(directory):
-            retired = tempfile.mkdtemp(prefix=f".{base}.old-", dir=parent)
-            os.replace(directory, retired)  # onto the empty placeholder
-            os.replace(staging, directory)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, directory)
-        _fsync(parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -243,7 +291,7 @@ def read_adapter_config(directory: str | os.PathLike) -> tuple[LoRAConfig, dict[
         reason = getattr(err, "strerror", None) or str(err)
         raise AdapterError(f"cannot read {path}: {reason}") from None
     try:
-        return LoRAConfig.from_json(text), read_base_info(text)
+        return lora_config_from_json(text), read_base_info(text)
     except ValueError as err:
         raise AdapterError(f"{path}: {err}") from None
 

@@ -1,27 +1,12 @@
 """Put LoRA adapters into a built Megatron model (all pipeline chunks of this rank), in place.
 
 ``inject_lora(model_chunks, lora_config)`` finds the modules each target names, turns them into
-their LoRA subclasses (``megatron_slmoe.lora.layers``), freezes every other parameter and returns
+their LoRA subclasses (``megatron_slmoe.lora.targets``), freezes every other parameter and returns
 the global names of the adapted modules. Call it after loading the base weights and before wrapping
 the chunks in DistributedDataParallel (DDP allocates gradient buffers for the parameters that
 require grad at construction).
 
-Target -> modules:
-
-=================  ==========================================================================
-``linear_qkv``     ``self_attention.linear_qkv`` (ColumnParallelLinear)
-``linear_proj``    ``self_attention.linear_proj`` (RowParallelLinear)
-``linear_fc1``     dense ``mlp.linear_fc1``; in MoE layers every routed expert's fc1
-                   (``LatentSwiGLUExperts`` -> ``LoRALatentSwiGLUExperts``, one adapter per expert)
-``linear_fc2``     dense ``mlp.linear_fc2``; every routed expert's fc2
-``shared_experts`` ``mlp.shared_experts.linear_fc1`` and ``.linear_fc2``
-``router``         ``mlp.router`` (gating linear)
-``latent``         ``mlp.latent_down`` and ``mlp.latent_up``
-``vision_attention`` multimodal models: the vision tower's ``self_attention.linear_qkv`` and
-                   ``.linear_proj`` (the language-model targets above never match in the tower)
-``projector``      multimodal models: the vision projector's ``linear_fc1`` / ``linear_fc2``
-                   (or its one affine linear)
-=================  ==========================================================================
+Which modules each target names: ``megatron_slmoe.lora.targets``.
 
 **Which targets must match.** Pipeline stages hold different layers, so a target may be absent
 from one stage and present in another (a dense first stage has no router). A target is an error
@@ -43,27 +28,11 @@ from typing import Iterable, Union
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_slmoe.lora.config import TARGETS, LoRAConfig
-from megatron_slmoe.lora.layers import (
-    LoRAColumnParallelLinear,
-    LoRALatentSwiGLUExperts,
-    LoRALatentProjection,
-    LoRARouterMixin,
-    LoRARowParallelLinear,
-    is_lora_module,
-)
-from megatron_slmoe.moe.experts import LatentSwiGLUExperts
-from megatron_slmoe.moe.latent import LatentProjection
-
-
-class LoRATargetError(ValueError):
-    """A LoRA target that matches nothing in the model, or a module LoRA cannot adapt."""
-
+from megatron_slmoe.config.run import LoRAConfig
+from megatron_slmoe.lora.base import is_lora_module
+from megatron_slmoe.lora.targets import TARGETS, LoRATargetError, adapt, kind_of, regions
 
 ModelChunks = Union[torch.nn.Module, Iterable[torch.nn.Module]]
 
@@ -106,66 +75,25 @@ def global_module_name(local_name: str, prefixes: list[tuple[str, str]]) -> str:
     return local_name
 
 
-def _vision_parts(chunk: torch.nn.Module) -> dict[int, str]:
-    """id -> "vision" / "projector" for every module inside a multimodal model's vision tower or
-    projector (LLaVAModel's ``vision_model`` and ``vision_projection``)."""
-    parts = {}
-    for module in chunk.modules():
-        for attr, part in (("vision_model", "vision"), ("vision_projection", "projector")):
-            tower = getattr(module, attr, None)
-            if isinstance(tower, torch.nn.Module):
-                parts.update((id(m), part) for m in tower.modules())
-    return parts
-
-
-def _classify(parent: torch.nn.Module, attr: str, child: torch.nn.Module,
-              part: str | None = None) -> str | None:
-    """The target a child module belongs to (``experts`` for routed experts), or None. ``part``
-    says whether ``parent`` sits in a vision tower or projector (see :func:`_vision_parts`)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    if part == "vision":
-        attention = attr in ("linear_qkv", "linear_proj") and not isinstance(parent, MLP)
-        return "vision_attention" if attention else None
-    if part == "projector":
-        linear = isinstance(child, (ColumnParallelLinear, RowParallelLinear))
-        return "projector" if linear else None
-    if attr in ("linear_qkv", "linear_proj") and not isinstance(parent, MLP):
-        return attr
-    if attr in ("linear_fc1", "linear_fc2") and isinstance(parent, SharedExpertMLP):
-        return "shared_experts"
-    if attr in ("linear_fc1", "linear_fc2") and isinstance(parent, MLP):
-        return attr
-    if attr == "experts" and isinstance(child, LatentSwiGLUExperts):
-        return "experts"
-    if attr == "router" and isinstance(child, TopKRouter):
-        return "router"
-    if attr in ("latent_down", "latent_up") and isinstance(child, LatentProjection):
-        return "latent"
-    return None
-
-
 def _candidates(chunks: list[torch.nn.Module]):
-    """Every (chunk index, parent, attr, child, local name, target) that LoRA could adapt."""
+    """Every (chunk index, parent, attr, child, local name, module kind) that LoRA could adapt."""
     found = []
     for index, chunk in enumerate(chunks):
-        parts = _vision_parts(chunk)
+        region_of = regions(chunk)
         for parent_name, parent in chunk.named_modules():
+            region = region_of.get(id(parent), "language")
             for attr, child in parent.named_children():
-                target = _classify(parent, attr, child, parts.get(id(parent)))
-                if target is not None:
+                kind = kind_of(parent, attr, child, region)
+                if kind is not None:
                     name = f"{parent_name}.{attr}" if parent_name else attr
-                    found.append((index, parent, attr, child, name, target))
+                    found.append((index, parent, attr, child, name, kind))
     return found
 
 
 def _match_counts(candidates, chunks) -> dict[str, int]:
     counts = dict.fromkeys(TARGETS, 0)
-    for *_, target in candidates:
-        if target == "experts":
-            counts["linear_fc1"] += 1
-            counts["linear_fc2"] += 1
-        else:
+    for *_, kind in candidates:
+        for target in kind.targets:
             counts[target] += 1
     if (torch.distributed.is_available() and torch.distributed.is_initialized()
             and parallel_state.model_parallel_is_initialized()
@@ -221,18 +149,11 @@ def inject_lora(model_chunks: ModelChunks, lora_config: LoRAConfig) -> list[str]
     _check_targets(lora_config, _match_counts(candidates, chunks))
     wanted = set(lora_config.targets)
     adapted: list[str] = []
-    for index, parent, attr, child, local_name, target in candidates:
-        name = global_module_name(local_name, _global_prefixes(chunks[index]))
-        if target == "experts":
-            fc1, fc2 = "linear_fc1" in wanted, "linear_fc2" in wanted
-            if not (fc1 or fc2):
-                continue
-            module = LoRALatentSwiGLUExperts.from_base(child, lora_config, name, fc1=fc1, fc2=fc2)
-        elif target not in wanted:
+    for index, parent, attr, child, local_name, kind in candidates:
+        if not wanted.intersection(kind.targets):
             continue
-        else:
-            module = _adapt(child, parent, attr, lora_config, name, target)
-        setattr(parent, attr, module)
+        name = global_module_name(local_name, _global_prefixes(chunks[index]))
+        setattr(parent, attr, adapt(kind, child, parent, attr, lora_config, name, wanted))
         adapted.append(name)
     lora_ids = {id(p) for chunk in chunks for m in chunk.modules() if is_lora_module(m)
                 for p in m.lora_parameters()}
@@ -244,29 +165,6 @@ def inject_lora(model_chunks: ModelChunks, lora_config: LoRAConfig) -> list[str]
         chunk._lora_config = lora_config
         _keep_input_grad(chunk)
     return adapted
-
-
-def _adapt(child, parent, attr, lora_config, name, target):
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    try:
-        if target == "router":
-            return LoRARouterMixin.from_base(child, lora_config, name)
-        if target == "latent":
-            return LoRALatentProjection.from_base(child, lora_config, name)
-        if getattr(child, "is_expert", False):
-            raise TypeError(f"{name}: Megatron's own routed experts are not supported (LoRA "
-                            f"adapts the Stable Latent MoE experts)")
-        if isinstance(child, ColumnParallelLinear):
-            glu = attr == "linear_fc1" and bool(parent.config.gated_linear_unit)
-            return LoRAColumnParallelLinear.from_base(child, lora_config, name, glu=glu)
-        if isinstance(child, RowParallelLinear):
-            return LoRARowParallelLinear.from_base(child, lora_config, name)
-        raise TypeError(f"{name} is a {type(child).__name__}; LoRA adapts Megatron's local "
-                        f"ColumnParallelLinear/RowParallelLinear (build the model without "
-                        f"Transformer Engine)")
-    except TypeError as err:
-        raise LoRATargetError(f"lora target {target!r}: {err}") from None
 
 
 def lora_modules(model_chunks: ModelChunks) -> list[torch.nn.Module]:

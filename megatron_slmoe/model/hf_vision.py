@@ -216,3 +216,21 @@ def read_hf_vision_config(folder: str, **overrides) -> VisionConfig:
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise HFImportError(f"{folder}: no config.json")
     return vision_config_from_hf(AutoConfig.from_pretrained(folder), **overrides)
+
+
+# The architecture a Hugging Face tower fixes; the rest (projector, image token) is the run's.
+_ARCHITECTURE = ("model_type", "img_h", "img_w", "patch_dim", "num_layers", "hidden_size",
+                 "num_attention_heads", "ffn_hidden_size", "activation", "layernorm_epsilon")
+
+
+def check_hf_vision_checkpoint(folder: str, vision: VisionConfig) -> None:
+    """HFImportError (one line naming the setting) unless the folder holds a CLIP/SigLIP tower
+    of the architecture ``vision`` describes."""
+    if not glob.glob(os.path.join(folder, "*.safetensors")):
+        raise HFImportError("no *.safetensors files")
+    found = read_hf_vision_config(folder)
+    for name in _ARCHITECTURE:
+        ours, theirs = getattr(vision, name), getattr(found, name)
+        if ours != theirs:
+            raise HFImportError(f"the checkpoint's tower has {name} {theirs!r}, the run "
+                                f"{VisionConfig.flag(name)} {ours!r}")

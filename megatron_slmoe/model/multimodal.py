@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -38,14 +37,9 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType, ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_slmoe.moe.model_config import ModelConfig
+from megatron_slmoe.config.run import VisionConfig
+from megatron_slmoe.model.config import ModelConfig
 
-VISION_MODEL_TYPES = ("clip", "siglip")
-PROJECTOR_TYPES = ("mlp", "affine")
-ACTIVATIONS = ("quick_gelu", "gelu", "gelu_tanh")
-
-DEFAULT_IMAGE_TOKEN_INDEX = -200
-"""Megatron's placeholder id for ``<image>`` in token ids (outside every vocabulary)."""
 
 
 class _LlavaWipFilter(logging.Filter):
@@ -56,110 +50,6 @@ class _LlavaWipFilter(logging.Filter):
 
 
 logging.getLogger("megatron.core.models.multimodal.llava_model").addFilter(_LlavaWipFilter())
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """The vision tower and projector of a multimodal model (the defaults: the CPU demo's)."""
-
-    model_type: str = "clip"
-    """Vision tower flavour: 'clip' (class token, ln_pre) or 'siglip' (no class token, ln_post)."""
-    img_h: int = 32
-    """Input image (tile) height in pixels; a multiple of patch_dim."""
-    img_w: int = 32
-    """Input image (tile) width in pixels; a multiple of patch_dim."""
-    patch_dim: int = 16
-    """Side of the square patches the tower embeds (the demo's 32 x 32 images: one patch per
-    quadrant)."""
-    num_layers: int = 2
-    """ViT transformer layers."""
-    hidden_size: int = 64
-    """ViT width."""
-    num_attention_heads: int = 4
-    """ViT attention heads (divisible by the tensor-parallel size)."""
-    ffn_hidden_size: int = 128
-    """ViT MLP width (divisible by the tensor-parallel size)."""
-    activation: str = "quick_gelu"
-    """ViT MLP activation: 'quick_gelu' (OpenAI CLIP), 'gelu', 'gelu_tanh' (SigLIP)."""
-    layernorm_epsilon: float = 1e-5
-    """Epsilon of the ViT LayerNorms."""
-    drop_class_token: bool = True
-    """Drop the class token before the projector (LLaVA's choice; clip only)."""
-    projector_type: str = "mlp"
-    """'mlp' (fc1 -> GELU -> fc2) or 'affine' (one linear)."""
-    projector_ffn_hidden_size: int = 128
-    """Inner width of the mlp projector (divisible by the tensor-parallel size)."""
-    image_token_index: int = DEFAULT_IMAGE_TOKEN_INDEX
-    """Token id that marks where an image goes in the input ids."""
-
-    _FLAGS = {
-        "model_type": "--vision-model-type", "img_h": "--img-h", "img_w": "--img-w",
-        "patch_dim": "--patch-dim", "num_layers": "--vision-num-layers",
-        "hidden_size": "--vision-hidden-size",
-        "num_attention_heads": "--vision-num-attention-heads",
-        "ffn_hidden_size": "--vision-ffn-hidden-size", "activation": "--vision-activation",
-        "layernorm_epsilon": "--vision-layernorm-epsilon",
-        "drop_class_token": "--disable-vision-class-token",
-        "projector_type": "--vision-projection-type",
-        "projector_ffn_hidden_size": "--vision-projection-ffn-hidden-size",
-        "image_token_index": "--image-token-index",
-    }
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def _bad(self, name: str, why: str) -> ValueError:
-        return ValueError(f"vision.{name} ({self._FLAGS[name]}) {why}, got {getattr(self, name)!r}")
-
-    def validate(self, tensor_parallel: int = 1) -> None:
-        """One ValueError line naming the first bad field (and its flag)."""
-        if self.model_type not in VISION_MODEL_TYPES:
-            raise self._bad("model_type", f"must be one of {', '.join(VISION_MODEL_TYPES)}")
-        for name in ("img_h", "img_w", "patch_dim", "num_layers", "hidden_size",
-                     "num_attention_heads", "ffn_hidden_size", "projector_ffn_hidden_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise self._bad(name, "must be a positive integer")
-        for name in ("img_h", "img_w"):
-            if getattr(self, name) % self.patch_dim:
-                raise self._bad(name, f"must be a multiple of the patch size {self.patch_dim}")
-        if self.hidden_size % self.num_attention_heads:
-            raise self._bad("num_attention_heads", f"must divide the vision width "
-                                                   f"{self.hidden_size}")
-        if self.activation not in ACTIVATIONS:
-            raise self._bad("activation", f"must be one of {', '.join(ACTIVATIONS)}")
-        if not self.layernorm_epsilon > 0:
-            raise self._bad("layernorm_epsilon", "must be positive")
-        if self.projector_type not in PROJECTOR_TYPES:
-            raise self._bad("projector_type", f"must be one of {', '.join(PROJECTOR_TYPES)}")
-        if self.model_type == "siglip" and self.drop_class_token:
-            raise self._bad("drop_class_token", "must be false for siglip (it has no class token)")
-        if not isinstance(self.image_token_index, int) or self.image_token_index >= 0:
-            raise self._bad("image_token_index", "must be a negative integer (outside every "
-                                                 "vocabulary)")
-        for name in ("num_attention_heads", "ffn_hidden_size", "projector_ffn_hidden_size"):
-            if getattr(self, name) % tensor_parallel:
-                raise self._bad(name, f"must be divisible by the tensor-parallel size "
-                                      f"{tensor_parallel}")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "VisionConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown vision setting {unknown[0]!r} (known: "
-                             f"{', '.join(sorted(known))})")
-        return cls(**values)
-
-    @property
-    def class_token_len(self) -> int:
-        return 1 if self.model_type == "clip" else 0
-
-    @property
-    def num_image_embeddings(self) -> int:
-        """Language-model positions one image tile occupies."""
-        patches = (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
-        return patches + (0 if self.drop_class_token else self.class_token_len)
 
 
 def _activation(name: str):
@@ -238,7 +128,7 @@ def build_multimodal_model(model_config: ModelConfig, language_config: Transform
 
     from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
 
-    vision.validate(tensor_parallel=language_config.tensor_model_parallel_size)
+    vision.check_tensor_parallel(language_config.tensor_model_parallel_size)
     gpt = model_config.gpt_kwargs()
     seq_length = seq_length or gpt["max_sequence_length"]
     if not 0 < seq_length <= gpt["max_sequence_length"]:

@@ -17,7 +17,6 @@ treats it as an MoE layer; it does not use MoELayer's construction or forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Optional, Union
 
 import torch
@@ -27,26 +26,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from megatron_slmoe.moe.alltoall import AllToAllDispatcher
+from megatron_slmoe.model.validation import check_expert_tensor_parallel
 from megatron_slmoe.moe.config import SLMoEConfig
-from megatron_slmoe.moe.dispatcher import AllGatherDispatcher
+from megatron_slmoe.moe.dispatch import DISPATCHERS
 from megatron_slmoe.moe.experts import LatentSwiGLUExperts
 from megatron_slmoe.moe.latent import build_latent_projections
 from megatron_slmoe.moe.router import SLMoERouter
-
-def _allgather(slmoe: SLMoEConfig, num_experts, local_expert_indices, ep_group):
-    return AllGatherDispatcher(num_experts, local_expert_indices, ep_group, slmoe.node_size)
-
-
-def _alltoall(slmoe: SLMoEConfig, num_experts, local_expert_indices, ep_group):
-    timeout = (timedelta(minutes=slmoe.distributed_timeout_minutes)
-               if slmoe.distributed_timeout_minutes else None)
-    return AllToAllDispatcher(num_experts, local_expert_indices, ep_group,
-                              hierarchical=slmoe.hierarchical_alltoall,
-                              node_size=slmoe.node_size, timeout=timeout)
-
-
-DISPATCHERS = {"allgather": _allgather, "alltoall": _alltoall}
 
 
 @dataclass
@@ -65,11 +50,8 @@ class StableLatentMoELayer(MoELayer):
         BaseMoELayer.__init__(self, config=config, layer_number=layer_number,
                               pg_collection=pg_collection)
         slmoe = slmoe or SLMoEConfig()
-        if pg_collection.expt_tp.size() > 1:
-            raise ValueError("StableLatentMoELayer keeps each expert whole: set "
-                             "--expert-tensor-parallel-size 1 (expert TP > 1 is not supported yet)")
+        check_expert_tensor_parallel(pg_collection.expt_tp.size())
         self.submodules = submodules
-        self.tp_group = pg_collection.tp
         self.router = submodules.router(config=config, pg_collection=pg_collection,
                                         freeze_weight=slmoe.freeze_router,
                                         freeze_expert_bias=slmoe.freeze_expert_bias)
@@ -90,15 +72,13 @@ class StableLatentMoELayer(MoELayer):
     @property
     def traffic_stats(self):
         """Bytes the dispatcher sent within and between nodes (for the routing monitor)."""
-        return getattr(self.dispatcher, "traffic", None)
+        return self.dispatcher.traffic
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
                 padding_mask: Optional[torch.Tensor] = None):
         if intermediate_tensors is not None:
             raise NotImplementedError("StableLatentMoELayer does not support partial CUDA-graph "
                                       "capture of the MoE layer (cuda_graph_scope moe_router)")
-        if self.training and self.tp_group.size() > 1 and not self.config.sequence_parallel:
-            raise ValueError("MoE with tensor parallelism needs --sequence-parallel")
         if padding_mask is not None:
             padding_mask = padding_mask.transpose(0, 1).bool()  # [B, S] -> [S, B] like hidden
         if self.moe_layer_recompute:
@@ -111,13 +91,8 @@ class StableLatentMoELayer(MoELayer):
         probs_TE, routing_map_TE = self.router(hidden_SBD, padding_mask)
         x_SBL = self.latent_down(hidden_SBD) if self.latent_down is not None else hidden_SBD
         x_TL = x_SBL.reshape(-1, x_SBL.shape[-1])
-        if self.overlap_chunks > 1 and getattr(self.dispatcher, "supports_overlap", False):
-            y_TL = self.dispatcher.dispatch_compute_combine(
-                x_TL, probs_TE, routing_map_TE, self.experts, self.overlap_chunks)
-        else:
-            rows_RL, tokens_per_expert_E, probs_R = self.dispatcher.dispatch(
-                x_TL, probs_TE, routing_map_TE)
-            y_TL = self.dispatcher.combine(self.experts(rows_RL, tokens_per_expert_E, probs_R))
+        y_TL = self.dispatcher.dispatch_compute_combine(
+            x_TL, probs_TE, routing_map_TE, self.experts, self.overlap_chunks)
         y_SBL = y_TL.view(*hidden_SBD.shape[:-1], y_TL.shape[-1])
         output = self.latent_up(y_SBL) if self.latent_up is not None else y_SBL
         if self.shared_experts is not None:

@@ -39,52 +39,13 @@ from typing import Any, Iterable, Optional
 import torch
 from megatron.core import parallel_state
 
+from megatron_slmoe.config.run import MonitorConfig
+from megatron_slmoe.config.types import is_int
+from megatron_slmoe.moe.dispatch.traffic import TrafficAccumulator
 from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator
-from megatron_slmoe.moe.traffic import TrafficAccumulator
-
-_ACTIONS = ("warn", "stop")
-
 
 class RoutingCollapseError(RuntimeError):
     """Raised by ``RoutingMonitor.step`` when ``action="stop"`` and routing collapsed."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@dataclass
-class MonitorConfig:
-    window: int = 50
-    starved_fraction: float = 0.1
-    starved_patience: int = 20
-    dominant_fraction: float = 0.5
-    action: str = "warn"
-    jsonl_path: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.window) or self.window < 1:
-            raise ValueError(f"MonitorConfig.window must be an int >= 1, got {self.window!r}")
-        if not _is_number(self.starved_fraction) or not 0.0 <= self.starved_fraction < 1.0:
-            raise ValueError("MonitorConfig.starved_fraction must be a number in [0, 1), "
-                             f"got {self.starved_fraction!r}")
-        if not _is_int(self.starved_patience) or self.starved_patience < 1:
-            raise ValueError("MonitorConfig.starved_patience must be an int >= 1, "
-                             f"got {self.starved_patience!r}")
-        # > 1/E is checked at attach time, when E is known; 1.0 switches the detector off.
-        if not _is_number(self.dominant_fraction) or not 0.0 < self.dominant_fraction <= 1.0:
-            raise ValueError("MonitorConfig.dominant_fraction must be a number in (0, 1], "
-                             f"got {self.dominant_fraction!r}")
-        if self.action not in _ACTIONS:
-            raise ValueError(f"MonitorConfig.action must be one of {_ACTIONS}, got {self.action!r}")
-        if self.jsonl_path is not None and (
-                not isinstance(self.jsonl_path, (str, os.PathLike)) or not str(self.jsonl_path)):
-            raise ValueError("MonitorConfig.jsonl_path must be a non-empty path or None, "
-                             f"got {self.jsonl_path!r}")
 
 
 @dataclass
@@ -120,7 +81,7 @@ def _find_routers(model_chunks: Iterable[torch.nn.Module],
             if id(stats) in found:
                 continue
             layer_number = getattr(module, "layer_number", None)
-            if not _is_int(layer_number):
+            if not is_int(layer_number):
                 raise ValueError(f"RoutingMonitor: router module '{name}' has routing_stats but "
                                  f"layer_number={layer_number!r}, not an int")
             if layer_number in layers:
@@ -139,7 +100,7 @@ def _find_traffic(model_chunks: Iterable[torch.nn.Module]) -> dict[int, TrafficA
         for module in chunk.modules():
             traffic = getattr(module, "traffic_stats", None)
             layer_number = getattr(module, "layer_number", None)
-            if isinstance(traffic, TrafficAccumulator) and _is_int(layer_number):
+            if isinstance(traffic, TrafficAccumulator) and is_int(layer_number):
                 found[layer_number] = traffic
     return found
 
@@ -173,9 +134,9 @@ class RoutingMonitor:
                 raise ValueError(f"RoutingMonitor: layer {layer_number} has {num_experts} expert; "
                                  "routing needs at least 2")
             if config.dominant_fraction <= 1.0 / num_experts:
-                raise ValueError(f"MonitorConfig.dominant_fraction={config.dominant_fraction} must "
-                                 f"be > 1/E = {1.0 / num_experts:.4g} (layer {layer_number} has "
-                                 f"{num_experts} experts)")
+                config.fail("dominant_fraction",
+                            f"{config.dominant_fraction} must be > 1/E = {1.0 / num_experts:.4g} "
+                            f"(layer {layer_number} has {num_experts} experts)")
             self._layers.append(_LayerTrack(layer_number, stats, config.window))
         traffic = _find_traffic(model_chunks)
         self._traffic = [traffic.get(track.layer_number) for track in self._layers]

@@ -52,6 +52,14 @@ class Platform:
         elif self.name == "npu":
             torch.npu.synchronize()  # type: ignore[attr-defined]
 
+    def device_memory_bytes(self) -> int | None:
+        """Memory of one accelerator; None on the CPU (no device limit to plan against)."""
+        if self.name == "cuda":
+            return torch.cuda.get_device_properties(0).total_memory
+        if self.name == "npu":
+            return torch.npu.get_device_properties(0).total_memory  # type: ignore[attr-defined]
+        return None
+
     def max_memory_allocated(self) -> int:
         """Peak bytes allocated on the accelerator; 0 on the CPU, where torch does not track it."""
         if self.name == "cuda":

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Optional
+
+from megatron_slmoe.utils.atomic import write_json_atomic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,21 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _training_flags(argv: list[str]) -> argparse.Namespace:
-    """The job's flags, read by the job's own parser (``--config`` YAML included) but without its
-    checks of batch sizes against the world size: the preflight needs only the parallel layout
+def _training_config(argv: list[str]):
+    """The job's run configuration, read by the job's own parser (``--config`` YAML included) but
+    without its layout checks against the world size: the preflight needs only the parallel layout
     and the output directory, and may run on its own on any number of ranks."""
-    from megatron_slmoe.training import arguments
+    from megatron_slmoe.config.cli import parse_command_line
+    from megatron_slmoe.config.errors import ConfigError
 
-    parser = arguments.build_parser()
     try:
-        pre, _ = parser.parse_known_args(argv)
-        if pre.config:
-            parser.set_defaults(**arguments._yaml_defaults(parser, pre.config))
-    except arguments.ArgumentError as err:
+        return parse_command_line(argv, prog="megatron_slmoe.preflight (training flags)",
+                                  description="", world_size=0).run
+    except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    return parser.parse_args(argv)  # argparse: one line and exit 2 on a malformed flag
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -64,15 +63,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    train = _training_flags(rest)
+    train = _training_config(rest)
     from megatron_slmoe.preflight import PreflightError, PreflightOptions, run
     from megatron_slmoe.preflight.report import format_table
 
-    report_path = args.report or os.path.join(train.output_dir or os.path.join("runs", "logs"),
-                                              "preflight.json")
+    report_path = args.report or os.path.join(
+        train.output.output_dir or os.path.join("runs", "logs"), "preflight.json")
     options = PreflightOptions(
-        tp=train.tensor_model_parallel_size, pp=train.pipeline_model_parallel_size,
-        ep=train.expert_model_parallel_size, size_mb=args.size_mb, iters=args.iters,
+        tp=train.parallel.tensor_model_parallel_size,
+        pp=train.parallel.pipeline_model_parallel_size,
+        ep=train.parallel.expert_model_parallel_size, size_mb=args.size_mb, iters=args.iters,
         warmup=args.warmup, p2p_size_mb=args.p2p_size_mb, p2p_iters=args.p2p_iters,
         p2p_time_budget=args.p2p_time_budget, p2p_max_rounds=args.p2p_max_rounds,
         node_size=args.node_size, timeout=args.timeout)
@@ -83,11 +83,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"preflight: error: {err}", file=sys.stderr, flush=True)
         return 1
     if report is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(report_path)), exist_ok=True)
-        tmp = f"{report_path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        os.replace(tmp, report_path)
+        write_json_atomic(report_path, report)
         for line in format_table(report, report_path).splitlines():
             print(f"[preflight] {line}", flush=True)
     return 0

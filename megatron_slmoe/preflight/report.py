@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_slmoe.preflight.topology import MIB, rank_ranges
+from megatron_slmoe.preflight.sweep import MIB, rank_ranges
 
 _OPS = {"all_reduce": "all-reduce", "all_to_all": "all-to-all", "p2p": "p2p sweep"}
 

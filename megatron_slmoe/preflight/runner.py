@@ -14,8 +14,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_slmoe.preflight import topology
-from megatron_slmoe.preflight.topology import MIB
+from megatron_slmoe.launch import topology
+from megatron_slmoe.model.validation import EXPERT_TENSOR_PARALLEL_SIZE
+from megatron_slmoe.preflight import sweep
+from megatron_slmoe.preflight.sweep import MIB
 
 
 class PreflightError(RuntimeError):
@@ -108,11 +110,11 @@ class _Preflight:
             mates = {joined[r]["host"] for r in joined if r // per_node == node}
             where = f"node {node}" + (f", host {', '.join(sorted(mates))}" if mates else
                                       ", no rank of that node joined")
-            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {topology.rank_ranges(ranks)} ({where})")
+            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {sweep.rank_ranges(ranks)} ({where})")
         hosts: dict[str, list[int]] = {}
         for r, info in joined.items():
             hosts.setdefault(info["host"], []).append(r)
-        present = "; ".join(f"{h}: rank{'s' if len(rs) > 1 else ''} {topology.rank_ranges(rs)}"
+        present = "; ".join(f"{h}: rank{'s' if len(rs) > 1 else ''} {sweep.rank_ranges(rs)}"
                             for h, rs in sorted(hosts.items()))
         return (f"{len(missing)} of {self.world} ranks did not join within {self.o.timeout:g} s: "
                 f"{'; '.join(parts)}. Joined: {present}")
@@ -131,7 +133,8 @@ class _Preflight:
         self.node_of = topology.node_ids(self.ranks, self.o.node_size)
         self._step("building Megatron's parallel groups", lambda: parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.o.tp, pipeline_model_parallel_size=self.o.pp,
-            expert_model_parallel_size=self.o.ep, expert_tensor_parallel_size=1,
+            expert_model_parallel_size=self.o.ep,
+            expert_tensor_parallel_size=EXPERT_TENSOR_PARALLEL_SIZE,
             distributed_timeout_minutes=max(1, math.ceil(self.o.timeout / 60))))
         mine = {"data-parallel": parallel_state.get_data_parallel_group(),
                 "expert-parallel": parallel_state.get_expert_model_parallel_group()}
@@ -222,7 +225,7 @@ class _Preflight:
     # -- 4. pairwise sweep -----------------------------------------------------------------------
 
     def p2p_sweep(self) -> tuple[list[dict], dict]:
-        rounds = topology.pair_rounds(self.world)
+        rounds = sweep.pair_rounds(self.world)
         buf = torch.zeros(self.p2p_size // 4, dtype=torch.float32, device=self.device)
         flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         results, done, start = [], 0, time.perf_counter()
@@ -285,7 +288,7 @@ def build_report(per_rank: list[dict], ranks: list[dict], node_of: list[int], in
     for entry in groups.values():
         n = len(entry["ranks"])
         nbytes = entry["bytes"]
-        alg, bus = topology.bus_bandwidth(entry["op"], nbytes, n, entry["seconds"])
+        alg, bus = sweep.bus_bandwidth(entry["op"], nbytes, n, entry["seconds"])
         collectives.append({"op": entry["op"], "group": entry["kind"],
                             "scope": topology.scope(entry["ranks"], node_of), "ranks": entry["ranks"],
                             "bytes": nbytes, "time_ms": entry["seconds"] * 1e3,
@@ -306,7 +309,7 @@ def build_report(per_rank: list[dict], ranks: list[dict], node_of: list[int], in
         rows.setdefault((c["op"], c["group"], c["scope"]), []).append(c)
     table = []
     for (op, kind, where), entries in rows.items():
-        bw = topology.summarize([e["busbw_gbps"] for e in entries])
+        bw = sweep.summarize([e["busbw_gbps"] for e in entries])
         table.append({"op": op, "group": kind, "scope": where, "groups": len(entries),
                       "ranks_per_group": len(entries[0]["ranks"]),
                       "max_time_ms": max(e["time_ms"] for e in entries),
@@ -317,7 +320,7 @@ def build_report(per_rank: list[dict], ranks: list[dict], node_of: list[int], in
     for where in ("intra", "inter"):
         mine = [p for p in pairs if p["scope"] == where]
         if mine:
-            bw = topology.summarize([p["gbps"] for p in mine])
+            bw = sweep.summarize([p["gbps"] for p in mine])
             summary[where]["p2p"] = {"pairs": len(mine), "min_gbps": bw["min"],
                                      "median_gbps": bw["median"], "max_gbps": bw["max"]}
             table.append({"op": "p2p", "group": "rank pairs", "scope": where, "groups": len(mine),

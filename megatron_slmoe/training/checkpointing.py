@@ -31,6 +31,8 @@ import torch
 from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 
+from megatron_slmoe.utils.atomic import write_json_atomic, write_text_atomic
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^iter_(\d{7})$")
@@ -112,31 +114,20 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, trainer_
     dist_checkpointing.save(state, os.path.join(tmp, "dist"))
     save_file(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.safetensors"))
     if rank == 0:
-        _write_json(os.path.join(tmp, "trainer_state.json"), {"iteration": iteration, **trainer_state})
+        write_json_atomic(os.path.join(tmp, "trainer_state.json"), {"iteration": iteration, **trainer_state},
+                          sort_keys=True)
     torch.distributed.barrier()
 
     if rank == 0:
-        _write_json(os.path.join(tmp, _MANIFEST), {"iteration": iteration, "files": _inventory(tmp)})
+        write_json_atomic(os.path.join(tmp, _MANIFEST),
+                          {"iteration": iteration, "files": _inventory(tmp)}, sort_keys=True)
         if os.path.exists(final):  # an earlier run's checkpoint of the same iteration
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_text_atomic(os.path.join(root, "latest"), name)
+        write_text_atomic(os.path.join(root, "latest"), name)
         _prune(root, keep_last)
     torch.distributed.barrier()
     return final
-
-
-def _write_json(path: str, data: dict) -> None:
-    _write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
-
-
-def _write_text_atomic(path: str, text: str) -> None:
-    tmp = path + ".partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _inventory(directory: str) -> dict[str, dict[str, Any]]:
@@ -163,6 +154,27 @@ def _prune(root: str, keep_last: int) -> None:
     complete = sorted(n for n in os.listdir(root) if _NAME.match(n))
     for name in complete[:-keep_last]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def save_base_checkpoint(model, directory: str, model_config_name: str) -> None:
+    """The whole model as a Megatron dist checkpoint (a base for LoRA runs), with the name of its
+    model config in ``model_config.txt``. Collective; it appears under ``directory`` only when
+    complete (written to ``<directory>.tmp``, then renamed by rank 0)."""
+    rank = torch.distributed.get_rank()
+    directory = os.path.abspath(directory)
+    tmp = directory + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), tmp)
+    torch.distributed.barrier()
+    if rank == 0:
+        write_text_atomic(os.path.join(tmp, "model_config.txt"), model_config_name)
+        if os.path.exists(directory):
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    torch.distributed.barrier()
 
 
 # --- loading -----------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ evaluation, logging, checkpoints with automatic resume, the adapter and a summar
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -20,14 +19,41 @@ from typing import Optional
 
 import torch
 
+from megatron_slmoe.utils.atomic import write_json_atomic
+
 log = logging.getLogger("megatron_slmoe.training")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    from megatron_slmoe.training.arguments import main_guard
+def parse(argv: Optional[list[str]] = None):
+    """The entry point's command line (flags and ``--config`` YAML) -> ``CommandLine``; raises
+    ConfigError. The layout rules are checked against $WORLD_SIZE unless only printing."""
+    from megatron_slmoe.config.cli import parse_command_line
+    from megatron_slmoe.config.run import validate_run
 
-    args = main_guard(argv)
-    if args.validate_only:
+    command = parse_command_line(argv, prog="megatron_slmoe.training.finetune",
+                                 description=__doc__.strip().split("\n")[0], world_size=0)
+    if not command.print_config:
+        validate_run(command.run, int(os.environ.get("WORLD_SIZE", "1")))
+    return command
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from megatron_slmoe.config.cli import to_yaml
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.training.inputs import check_inputs
+
+    try:
+        command = parse(argv)
+        if command.print_config:
+            print(to_yaml(command.run), end="")
+            return 0
+        import megatron_slmoe
+
+        check_inputs(command.run, int(os.environ.get("WORLD_SIZE", "1")), megatron_slmoe.PLATFORM)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if command.validate_only:
         return 0
     # Our progress lines and data summaries from rank 0; everyone's warnings; not Megatron's
     # INFO chatter (it prints whole configs).
@@ -36,46 +62,53 @@ def main(argv: Optional[list[str]] = None) -> int:
         logging.getLogger("megatron_slmoe").setLevel(logging.INFO)
     import megatron_slmoe
 
-    return Trainer(args, megatron_slmoe.PLATFORM).run()
+    return Trainer(command.run, megatron_slmoe.PLATFORM).run()
 
 
 class Trainer:
-    def __init__(self, args, platform) -> None:
-        self.args, self.platform = args, platform
+    """The fine-tuning loop. It is the one place that sees the whole run configuration; every
+    component it builds receives its own section."""
+
+    def __init__(self, run, platform) -> None:
+        self.run_config, self.platform = run, platform
 
     # -- set-up ----------------------------------------------------------------------------------
 
     def setup(self) -> None:
         from megatron.core import parallel_state
 
-        from megatron_slmoe.moe.model_config import load_model_config
-        from megatron_slmoe.moe.monitor import MonitorConfig, RoutingMonitor
+        from megatron_slmoe.model.config import load_model_config
+        from megatron_slmoe.moe.monitor import RoutingMonitor
         from megatron_slmoe.training import model_setup
         from megatron_slmoe.training.data_sources import build_sources
 
-        args = self.args
-        model_setup.init_distributed(args, self.platform)
+        run = self.run_config
+        model_setup.init_distributed(run.parallel, run.schedule.seed, self.platform)
         self.rank = torch.distributed.get_rank()
-        self.output_dir = args.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-        self.model_config = model_setup.model_config_for_run(load_model_config(args.model_config), args)
-        self.bf16 = model_setup.use_bf16(args, self.platform)
+        run = self.run_config = self._resolve(run)
+        self.output_dir = run.output.output_dir
+        self.model_config = model_setup.model_config_for_run(
+            load_model_config(run.model.config), run.moe, run.model.finetune_mode,
+            run.parallel.distributed_timeout_minutes)
+        self.bf16 = run.model.precision == "bf16"
         self.task = None
-        if args.task == "image-text":
+        if run.data.task == "image-text":
             from megatron_slmoe.training.image_text import ImageTextTask
 
-            self.task = ImageTextTask(args)
+            self.task = ImageTextTask(run)
         model, self.config = model_setup.build_model(
-            self.model_config, args, self.platform,
-            build=self.task.build_model if self.task else None)
-        if args.base_checkpoint:
-            model_setup.load_base_weights(model, args.base_checkpoint)
+            self.model_config, run.parallel, self.bf16, self.platform,
+            **({"build": self.task.build_model} if self.task else {}))
+        if run.model.base_checkpoint:
+            model_setup.load_base_weights(model, run.model.base_checkpoint)
         self.lora_config = None
-        if args.finetune_mode == "lora":
+        if run.model.finetune_mode == "lora":
             self._inject_lora(model)
         self.model = model
         self.ddp, self.optimizer, self.scheduler = model_setup.wrap_and_optimize(
-            model, self.config, args, self.bf16)
-        self.monitor = RoutingMonitor([model], MonitorConfig(action=args.collapse_action))
+            model, self.config, run.optimizer, run.schedule, run.parallel.use_distributed_optimizer,
+            self.bf16)
+        self.monitor = RoutingMonitor([model], run.monitor)
 
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -83,33 +116,45 @@ class Trainer:
             self.train, self.valid, self.tokenizer = self.task.datasets(self.model_config,
                                                                         self.output_dir)
         else:
-            self.train, self.valid, self.tokenizer = build_sources(args, self.model_config)
-        self._num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
+            self.train, self.valid, self.tokenizer = build_sources(run.data, run.schedule,
+                                                                   self.output_dir)
+        self._num_microbatches = run.schedule.global_batch_size // (
+            run.schedule.micro_batch_size * self.dp_size)
         self.writer = None
         if self.rank == 0:
+            from megatron_slmoe.config.cli import to_yaml
             from megatron_slmoe.training.metrics import MetricsWriter
+            from megatron_slmoe.utils.atomic import write_text_atomic
 
-            self.writer = MetricsWriter(self.output_dir, tensorboard=not args.no_tensorboard)
+            write_text_atomic(os.path.join(self.output_dir, "config.yaml"), to_yaml(run))
+            self.writer = MetricsWriter(self.output_dir, tensorboard=run.output.tensorboard)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            parallel = run.parallel
             log.info("[finetune] platform=%s backend=%s world=%d tp=%d pp=%d ep=%d dp=%d "
                      "mode=%s trainable=%s output=%s", self.platform.name, self.platform.backend,
-                     torch.distributed.get_world_size(), args.tensor_model_parallel_size,
-                     args.pipeline_model_parallel_size, args.expert_model_parallel_size,
-                     self.dp_size, args.finetune_mode, f"{trainable:,}", self.output_dir)
+                     torch.distributed.get_world_size(), parallel.tensor_model_parallel_size,
+                     parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size,
+                     self.dp_size, run.model.finetune_mode, f"{trainable:,}", self.output_dir)
+
+    def _resolve(self, run):
+        """The run as it will execute: the output directory (rank 0's choice, so every rank writes
+        into the same one) and the precision of this platform. ``config.yaml`` records these, so
+        feeding it back repeats the run."""
+        output_dir = [run.output.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
+        torch.distributed.broadcast_object_list(output_dir, src=0)
+        from megatron_slmoe.training.model_setup import resolve_precision
+
+        run = run.replace("output", output_dir=output_dir[0])
+        return run.replace("model", precision=resolve_precision(run.model, self.platform))
 
     def _inject_lora(self, model) -> None:
         from megatron_slmoe.lora.adapter import load_adapter
-        from megatron_slmoe.lora.config import LoRAConfig
         from megatron_slmoe.lora.inject import inject_lora
 
-        args = self.args
-        self.lora_config = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha,
-                                      dropout=args.lora_dropout,
-                                      targets=list(args.lora_target_modules),
-                                      init_seed=args.lora_init_seed)
+        self.lora_config = self.run_config.lora
         inject_lora([model], self.lora_config)
-        if args.adapter_init:
-            load_adapter([model], args.adapter_init)
+        if self.run_config.model.adapter_init:
+            load_adapter([model], self.run_config.model.adapter_init)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -126,10 +171,11 @@ class Trainer:
         """This rank's micro-batches of the global batch of samples ``[start, start + GB)``."""
         from megatron_slmoe.data.sampler import collate, micro_batches
 
-        window = range(start, start + self.args.global_batch_size)
+        schedule = self.run_config.schedule
+        window = range(start, start + schedule.global_batch_size)
         collate_fn = self.task.collate if self.task else collate
         return [collate_fn([dataset[i % len(dataset)] for i in part])
-                for part in micro_batches(window, self.args.micro_batch_size, self.dp_rank,
+                for part in micro_batches(window, schedule.micro_batch_size, self.dp_rank,
                                           self.dp_size)]
 
     def _run_schedule(self, microbatches, forward_only: bool) -> float:
@@ -139,8 +185,9 @@ class Trainer:
 
         losses = get_forward_backward_func()(
             forward_step_func=self._forward_step, data_iterator=iter(microbatches),
-            model=self.ddp, num_microbatches=len(microbatches), seq_length=self.args.seq_length,
-            micro_batch_size=self.args.micro_batch_size, forward_only=forward_only)
+            model=self.ddp, num_microbatches=len(microbatches),
+            seq_length=self.run_config.data.seq_length,
+            micro_batch_size=self.run_config.schedule.micro_batch_size, forward_only=forward_only)
         loss = torch.zeros(1, dtype=torch.float64, device=self.platform.device())
         if parallel_state.is_pipeline_last_stage():
             loss += torch.stack([entry["loss"].double() for entry in losses]).mean()
@@ -151,10 +198,11 @@ class Trainer:
 
     def evaluate(self) -> float:
         self.ddp.eval()
+        schedule = self.run_config.schedule
         with torch.no_grad():
             losses = [self._run_schedule(
-                self._microbatches(self.valid, i * self.args.global_batch_size), forward_only=True)
-                      for i in range(self.args.eval_iters)]
+                self._microbatches(self.valid, i * schedule.global_batch_size), forward_only=True)
+                      for i in range(schedule.eval_iters)]
         self.ddp.train()
         return sum(losses) / len(losses)
 
@@ -170,13 +218,34 @@ class Trainer:
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self) -> int:
+        """The whole run. An out-of-memory error is reported with the memory planner's breakdown
+        and the next step of the OOM checklist; checkpoints already written stay intact."""
+        try:
+            return self._run()
+        except Exception as err:  # noqa: BLE001  (only out-of-memory is handled here)
+            if not _is_out_of_memory(err):
+                raise
+            log.error("[finetune] rank %d: %s", torch.distributed.get_rank(), self._oom_report(err))
+            return 1
+
+    def _oom_report(self, err: BaseException) -> str:
+        from megatron_slmoe.plan.check import format_oom_report
+        from megatron_slmoe.training.inputs import memory_check
+
+        check = memory_check(self.run_config, torch.distributed.get_world_size(), self.platform,
+                             self.model_config)
+        if check is None:
+            return f"out of memory: {str(err).splitlines()[0]} (no device memory to plan against)"
+        return format_oom_report(check, err)
+
+    def _run(self) -> int:
         from megatron_slmoe.training import checkpointing
 
         self.setup()
-        args = self.args
+        schedule, output = self.run_config.schedule, self.run_config.output
         ckpt_root = os.path.join(self.output_dir, "checkpoints")
         iteration, consumed, eval_before = 0, 0, None
-        resume_from = None if args.no_resume else checkpointing.find_resumable(ckpt_root)
+        resume_from = checkpointing.find_resumable(ckpt_root) if output.resume else None
         if resume_from:
             state = checkpointing.load_checkpoint(resume_from, [self.model], self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
@@ -189,48 +258,50 @@ class Trainer:
             self._info(f"[finetune] held-out loss before training: {eval_before:.4f}")
             self.accuracy_before = self._answer_accuracy("before training")
 
-        tokens_per_step = args.global_batch_size * args.seq_length
+        tokens_per_step = schedule.global_batch_size * self.run_config.data.seq_length
         self.collapse_warnings = 0
         window_start, window_steps = time.time(), 0
         eval_loss = eval_before
-        while iteration < args.train_iters:
+        while iteration < schedule.train_iters:
             loss, grad_norm = self.train_step(consumed)
             iteration += 1
-            consumed += args.global_batch_size
+            consumed += schedule.global_batch_size
             window_steps += 1
             routing = self.monitor.step(iteration)
             record = {"iteration": iteration, "loss": loss, "lr": self.scheduler.get_lr(
                 self.optimizer.param_groups[0]), "grad_norm": grad_norm,
                 "consumed_samples": consumed, "aux_losses": self._aux_losses()}
-            if iteration % args.eval_interval == 0 or iteration == args.train_iters:
+            last = iteration == schedule.train_iters
+            if iteration % schedule.eval_interval == 0 or last:
                 eval_loss = self.evaluate()
                 record["eval_loss"] = eval_loss
-            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            if iteration % schedule.log_interval == 0 or last:
                 if self.task:
                     record["bad_samples"] = self.task.bad_samples()
                 elapsed = time.time() - window_start
                 record["tokens_per_s"] = tokens_per_step * window_steps / max(elapsed, 1e-9)
                 record["memory_bytes"] = _peak_memory(self.platform)
-                eta = elapsed / window_steps * (args.train_iters - iteration)
-                self._info("[finetune] " + _progress(record, args.train_iters, eta))
+                eta = elapsed / window_steps * (schedule.train_iters - iteration)
+                self._info("[finetune] " + _progress(record, schedule.train_iters, eta))
                 window_start, window_steps = time.time(), 0
             self.collapse_warnings += len(routing["warnings"])
             record["moe"] = self.last_routing = _routing_record(self._gather_routing(routing))
             if self.writer:
                 self.writer.write(record)
-            if iteration % args.save_interval == 0 or iteration == args.train_iters:
+            if iteration % schedule.save_interval == 0 or last:
                 checkpointing.save_checkpoint(
                     ckpt_root, iteration, [self.model], self.optimizer,
                     {"consumed_samples": consumed, "scheduler": self.scheduler.state_dict(),
                      "eval_loss_before": eval_before,
-                     "accuracy_before": self.accuracy_before}, args.keep_last)
+                     "accuracy_before": self.accuracy_before}, output.keep_last)
         return self._finish(eval_before, eval_loss, iteration)
 
-    def _answer_accuracy(self, when: str):
-        """Held-out exact-match answer accuracy of an image-text run (None otherwise)."""
+    def _answer_accuracy(self, when: str) -> Optional[float]:
+        """Held-out exact-match answer accuracy of an image-text run (None otherwise);
+        collective."""
         if not self.task:
             return None
-        accuracy, shown = self.task.answer_accuracy(self.ddp, self.args.micro_batch_size,
+        accuracy, shown = self.task.answer_accuracy(self.ddp, self.run_config.schedule.micro_batch_size,
                                                     self.platform.device())
         if accuracy is not None:
             self._info(f"[finetune] held-out answer accuracy {when}: {accuracy:.3f}")
@@ -248,31 +319,24 @@ class Trainer:
             adapter_dir = os.path.join(self.output_dir, "adapter")
             save_adapter([self.model], adapter_dir, self.lora_config,
                          {"model_config": self.model_config.name,
-                          "base_checkpoint": self.args.base_checkpoint})
-        if self.args.save_base:
-            from megatron.core import dist_checkpointing
+                          "base_checkpoint": self.run_config.model.base_checkpoint})
+        if self.run_config.output.save_base:
+            from megatron_slmoe.training.checkpointing import save_base_checkpoint
 
-            from megatron_slmoe.training.checkpointing import _write_text_atomic
-
-            if self.rank == 0:
-                os.makedirs(self.args.save_base, exist_ok=True)
-            torch.distributed.barrier()
-            dist_checkpointing.save(self.model.sharded_state_dict(), self.args.save_base)
-            if self.rank == 0:
-                _write_text_atomic(os.path.join(self.args.save_base, "model_config.txt"),
-                                   self.model_config.name)
+            save_base_checkpoint(self.model, self.run_config.output.save_base,
+                                 self.model_config.name)
         if self.rank == 0:
             load = {layer: {k: m[k] for k in ("imbalance", "load_entropy", "dead_experts_window")}
                     for layer, m in getattr(self, "last_routing", {"layers": {}})["layers"].items()}
             summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after,
                        "steps": iteration, "adapter_dir": adapter_dir,
-                       "output_dir": self.output_dir, "finetune_mode": self.args.finetune_mode,
+                       "output_dir": self.output_dir,
+                       "finetune_mode": self.run_config.model.finetune_mode,
                        "expert_load_last_step": load, "collapse_warnings": self.collapse_warnings}
             if self.task:
                 summary.update(task="image-text", accuracy_before=self.accuracy_before,
                                accuracy_after=accuracy_after, bad_samples=bad_samples)
-            with open(os.path.join(self.output_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            write_json_atomic(os.path.join(self.output_dir, "summary.json"), summary)
             worst = max((m["imbalance"] for m in load.values()), default=float("nan"))
             dead = sum(m["dead_experts_window"] for m in load.values())
             self._info(f"[finetune] expert load: worst imbalance (max/mean) {worst:.2f} over "
@@ -334,6 +398,12 @@ class Trainer:
     def _info(self, message: str) -> None:
         if self.rank == 0:
             log.info(message)
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    # CUDA raises torch.OutOfMemoryError; torch_npu a RuntimeError saying so.
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
 
 
 def _peak_memory(platform) -> int:

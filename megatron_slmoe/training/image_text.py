@@ -17,15 +17,13 @@ tokens between them), padding its share of prompts where needed.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from functools import partial
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 
-from megatron_slmoe.data.image import CLIP_MEAN, CLIP_STD, ImagePreprocessConfig
-from megatron_slmoe.data.image_text import IMAGE_TOKEN
-from megatron_slmoe.model.multimodal import VisionConfig
+from megatron_slmoe.data.image import ImagePreprocessConfig
 
 
 def _to(batch: dict, device: torch.device) -> dict:
@@ -157,99 +155,36 @@ def all_reduce_counts(correct: int, total: int, device: torch.device) -> tuple[i
 # --- the image-text task of a run ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ImageTextConfig:
-    """Settings of an image-text run beyond the language model's (``--image-text-config FILE``:
-    a YAML mapping of these fields, ``vision:`` and ``image:`` as sub-mappings)."""
-
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    """The vision tower and projector."""
-    max_tiles: int = 1
-    """Tiles per image (1: the whole image resized; more: tiled by aspect ratio)."""
-    thumbnail: bool = False
-    """With tiling, add the whole image as one more tile."""
-    image_mean: Tuple[float, float, float] = CLIP_MEAN
-    """Per-channel normalisation mean (CLIP's by default)."""
-    image_std: Tuple[float, float, float] = CLIP_STD
-    """Per-channel normalisation standard deviation (CLIP's by default)."""
-    train_vision_tower: bool = False
-    """With ``--finetune-mode full``, train the vision tower too. By default it stays as built or
-    loaded (LLaVA's recipes keep the tower frozen); the projector and language model train."""
-    caption_prompt: str = "<image>\nDescribe the image."
-    """The user turn of captioning samples."""
-    eval_answers: int = 128
-    """Held-out prompts answered by greedy generation for the exact-match accuracy (0: none)."""
-    max_answer_tokens: int = 8
-    """Upper bound of the tokens generated per answer."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "image_mean", tuple(self.image_mean))
-        object.__setattr__(self, "image_std", tuple(self.image_std))
-        self.validate()
-
-    def validate(self) -> None:
-        """One ValueError line naming the first bad field."""
-        self.preprocess  # checks tiling and normalisation
-        if IMAGE_TOKEN not in self.caption_prompt:
-            raise ValueError(f"image_text.caption_prompt must contain {IMAGE_TOKEN}, got "
-                             f"{self.caption_prompt!r}")
-        for name in ("eval_answers", "max_answer_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (name == "max_answer_tokens"):
-                raise ValueError(f"image_text.{name} must be a non-negative integer"
-                                 f"{' (at least 1)' if name == 'max_answer_tokens' else ''}, "
-                                 f"got {value!r}")
-
-    @property
-    def preprocess(self) -> ImagePreprocessConfig:
-        return ImagePreprocessConfig(img_h=self.vision.img_h, img_w=self.vision.img_w,
-                                     max_tiles=self.max_tiles, thumbnail=self.thumbnail,
-                                     mean=self.image_mean, std=self.image_std)
-
-    @classmethod
-    def from_yaml(cls, path: Optional[str]) -> "ImageTextConfig":
-        """The settings of a YAML file (None: the defaults); one ValueError line if wrong."""
-        import yaml
-
-        if path is None:
-            return cls()
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as err:
-            reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
-            raise ValueError(f"--image-text-config {path}: {reason}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"--image-text-config {path}: expected a mapping")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"--image-text-config {path}: unknown key {unknown[0]!r} (known: "
-                             f"{', '.join(sorted(known))})")
-        values = dict(data)
-        try:
-            values["vision"] = VisionConfig.from_dict(dict(data.get("vision") or {}))
-            return cls(**values)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"--image-text-config {path}: {err}") from None
+def preprocess_config(vision, image_text) -> ImagePreprocessConfig:
+    """How a run's images become tower input (the ``vision`` and ``image_text`` sections)."""
+    return ImagePreprocessConfig(img_h=vision.img_h, img_w=vision.img_w,
+                                 max_tiles=image_text.max_tiles, thumbnail=image_text.thumbnail,
+                                 mean=tuple(image_text.image_mean), std=tuple(image_text.image_std))
 
 
 class ImageTextTask:
     """What the trainer needs for ``--task image-text``: the multimodal model, the energon
     datasets (the shapes task by default), micro-batch collation, the forward step, and the
-    held-out answer accuracy."""
+    held-out answer accuracy. It reads the run's ``data``, ``vision`` and ``image_text``
+    sections (and the schedule's batch sizes)."""
 
-    def __init__(self, args) -> None:
-        self.args = args
-        self.settings = ImageTextConfig.from_yaml(args.image_text_config)
+    def __init__(self, run) -> None:
+        self.run = run
+        self.vision, self.settings = run.vision, run.image_text
 
     def build_model(self, model_config, config, pre_process: bool, post_process: bool):
+        """This rank's multimodal model; the vision tower from ``--vision-checkpoint`` if given,
+        frozen in a full fine-tune unless ``--train-vision-tower``."""
         from megatron_slmoe.model.multimodal import build_multimodal_model
 
-        model = build_multimodal_model(model_config, config, self.settings.vision,
-                                       seq_length=self.args.seq_length, pre_process=pre_process,
-                                       post_process=post_process)
-        if self.args.finetune_mode == "full" and not self.settings.train_vision_tower:
+        model = build_multimodal_model(model_config, config, self.vision,
+                                       seq_length=self.run.data.seq_length,
+                                       pre_process=pre_process, post_process=post_process)
+        if self.vision.checkpoint and model.vision_model is not None:
+            from megatron_slmoe.model.hf_vision import load_hf_vision_tower
+
+            load_hf_vision_tower(model, self.vision.checkpoint, self.vision)
+        if self.run.model.finetune_mode == "full" and not self.settings.train_vision_tower:
             model.freeze(freeze_language_model=False, freeze_vision_model=True,
                          freeze_vision_projection=False)
         return model
@@ -259,14 +194,14 @@ class ImageTextTask:
         in the run's folder (captions for ``--data-format pretrain``, else questions)."""
         from megatron_slmoe.data.shapes import ensure_shapes_task
 
-        args = self.args
-        if args.train_data:
-            return args.train_data, args.valid_data or args.train_data
+        data = self.run.data
+        if data.train_data:
+            return data.train_data, data.valid_data or data.train_data
         folder = os.path.join(output_dir, "data", "shapes")
         if torch.distributed.get_rank() == 0:
             ensure_shapes_task(folder)
         torch.distributed.barrier()
-        name = "captions" if args.data_format == "pretrain" else "vqa"
+        name = "captions" if data.format == "pretrain" else "vqa"
         path = os.path.join(folder, name)
         return path, path
 
@@ -277,19 +212,19 @@ class ImageTextTask:
         from megatron_slmoe.data.image_text import ImageTextDataset
         from megatron_slmoe.data.tokenizer import load_tokenizer
 
-        args, settings = self.args, self.settings
-        tokenizer = load_tokenizer(args.tokenizer or asset_path("tokenizer.json"))
+        data, schedule = self.run.data, self.run.schedule
+        tokenizer = load_tokenizer(data.tokenizer or asset_path("tokenizer.json"))
         if tokenizer.vocab_size > model_config.vocab_size:
             raise DataError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
                             f"model's vocab_size {model_config.vocab_size}")
         train_path, valid_path = self._paths(output_dir)
-        common = dict(image_token_index=settings.vision.image_token_index,
-                      tokens_per_tile=settings.vision.num_image_embeddings,
-                      preprocess=settings.preprocess, caption_prompt=settings.caption_prompt,
-                      seed=args.seed)
-        train = ImageTextDataset(train_path, tokenizer, args.seq_length, split="train",
-                                 num_samples=args.train_iters * args.global_batch_size, **common)
-        valid = ImageTextDataset(valid_path, tokenizer, args.seq_length, split="val",
+        common = dict(image_token_index=self.vision.image_token_index,
+                      tokens_per_tile=self.vision.num_image_embeddings,
+                      preprocess=preprocess_config(self.vision, self.settings),
+                      caption_prompt=self.settings.caption_prompt, seed=schedule.seed)
+        train = ImageTextDataset(train_path, tokenizer, data.seq_length, split="train",
+                                 num_samples=schedule.train_samples, **common)
+        valid = ImageTextDataset(valid_path, tokenizer, data.seq_length, split="val",
                                  shuffle=False, **common)
         self.train, self.valid, self.tokenizer = train, valid, tokenizer
         return train, valid, tokenizer
@@ -324,10 +259,10 @@ class ImageTextTask:
             generated = greedy_generate(
                 model, [p for p, _ in mine] or [examples[0][0]],
                 max_new_tokens=min(self.settings.max_answer_tokens, longest + 1),
-                seq_length=self.args.seq_length, micro_batch_size=micro_batch_size,
+                seq_length=self.run.data.seq_length, micro_batch_size=micro_batch_size,
                 pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
-                image_token_index=self.settings.vision.image_token_index,
-                tokens_per_tile=self.settings.vision.num_image_embeddings, device=device,
+                image_token_index=self.vision.image_token_index,
+                tokens_per_tile=self.vision.num_image_embeddings, device=device,
                 num_prompts_per_rank=per_rank)
         model.train(was_training)
         answers = [tokenizer.decode(ids) for ids in generated[:len(mine)]]

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests import moe_reference
-from tests.distributed.harness import run_ranks
+from tests.helpers import moe_reference
+from tests.helpers.ranks import run_ranks
 
 HIDDEN, LATENT, EXPERTS, TOPK, FFN, TOKENS_PER_RANK = 16, 8, 8, 2, 12, 12
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
+from tests.helpers.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size", "8",
@@ -118,12 +118,11 @@ def test_killed_run_resumes_and_reproduces_losses(start, single_rank):
 
 def frozen_base_run(args: list[str]) -> dict:
     """Train a few steps in-process; report what changed and what the optimizer holds."""
-    from megatron_slmoe.training.arguments import parse_args
-    from megatron_slmoe.training.finetune import Trainer
+    from megatron_slmoe.training.finetune import Trainer, parse
 
     import megatron_slmoe
 
-    trainer = Trainer(parse_args(args), megatron_slmoe.PLATFORM)
+    trainer = Trainer(parse(args).run, megatron_slmoe.PLATFORM)
     trainer.setup()
     named = dict(trainer.model.named_parameters())
     lora = {n for n in named if "lora" in n}

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
+from tests.helpers.ranks import run_ranks
 
 TOL = 1e-5
 

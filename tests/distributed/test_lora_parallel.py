@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import gpt_case
-from tests.distributed.harness import run_ranks
+from tests.helpers import gpt_case
+from tests.helpers.ranks import run_ranks
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4

@@ -4,8 +4,8 @@ reproduces the single-rank run: same loss, same gradients, same optimizer step."
 
 import pytest
 
-from tests.distributed import gpt_case
-from tests.distributed.harness import run_ranks
+from tests.helpers import gpt_case
+from tests.helpers.ranks import run_ranks
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4

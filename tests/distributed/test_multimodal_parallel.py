@@ -18,8 +18,8 @@ from functools import partial
 import pytest
 import torch
 
-from tests.distributed import gpt_case
-from tests.distributed.harness import run_ranks
+from tests.helpers import gpt_case
+from tests.helpers.ranks import run_ranks
 
 STEPS = 10
 SEQ = 32
@@ -38,7 +38,7 @@ TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "vision_atte
 
 
 def _vision():
-    from megatron_slmoe.model.multimodal import VisionConfig
+    from megatron_slmoe.config.run import VisionConfig
 
     return VisionConfig(img_h=16, img_w=16, patch_dim=8, num_layers=1, hidden_size=32,
                         num_attention_heads=4, ffn_hidden_size=64, projector_ffn_hidden_size=64)
@@ -50,7 +50,7 @@ def _model(recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_slmoe.model.multimodal import build_multimodal_model
-    from megatron_slmoe.moe.model_config import ModelConfig
+    from megatron_slmoe.model.config import ModelConfig
 
     tp = ps.get_tensor_model_parallel_world_size()
     extra = dict(recompute_granularity="full", recompute_method="uniform",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed.harness import run_ranks
+from tests.helpers.ranks import run_ranks
 
 NUM_TOKENS = 6
 TOPK = 2

@@ -51,11 +51,10 @@ def test_image_text_lora_run_reports_bad_samples_and_accuracy(tmp_path):
     import megatron_slmoe  # noqa: F401
 
     data = _dataset(tmp_path)
-    (tmp_path / "mm.yaml").write_text("eval_answers: 6\nmax_answer_tokens: 4\n")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "megatron_slmoe.training.finetune", "--task", "image-text",
-           "--train-data", str(data), "--image-text-config", str(tmp_path / "mm.yaml"),
+           "--train-data", str(data), "--eval-answers", "6", "--max-answer-tokens", "4",
            "--expert-model-parallel-size", "2", "--seq-length", "48", "--micro-batch-size", "2",
            "--global-batch-size", "8", "--train-iters", "4", "--lr-warmup-iters", "1",
            "--eval-iters", "1", "--log-interval", "2", "--save-interval", "4", "--lora-rank", "4",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_network_check import ROCE_GIDS, fake_sysfs
+from tests.helpers.sysfs import ROCE_GIDS, fake_sysfs
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--train-iters", "15", "--lr-warmup-iters", "0"]

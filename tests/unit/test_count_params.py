@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-from megatron_slmoe.moe.meta import build_meta_model, count_parameters, meta_device
-from megatron_slmoe.moe.model_config import build_gpt_model, load_model_config
+from megatron_slmoe.model.census import build_meta_model, count_parameters, meta_device
+from megatron_slmoe.model.build import build_gpt_model
+from megatron_slmoe.model.config import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "count_params.py"
@@ -128,7 +129,7 @@ def test_tool_table_output(megatron_single_rank, capsys):
 
 
 def test_tool_invalid_config_exits_2_with_one_line(tmp_path):
-    text = (ROOT / "megatron_slmoe" / "configs" / "tiny.yaml").read_text()
+    text = (ROOT / "megatron_slmoe" / "model" / "configs" / "tiny.yaml").read_text()
     path = tmp_path / "bad.yaml"
     path.write_text(text.replace("moe_router_topk: 2", "moe_router_topk: 9"))
     proc = _run_tool("--config", str(path), "--json")

@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from tests.unit.test_lora_layers import build_model, logits, lora_config, model_config, randomize
+from tests.helpers.lora_models import build_model, logits, lora_config, model_config, randomize
 
 pytestmark = pytest.mark.usefixtures("megatron_single_rank")
 

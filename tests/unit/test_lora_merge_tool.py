@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_lora_layers import MODEL_YAML, build_model, logits, lora_config, randomize
+from tests.helpers.lora_models import MODEL_YAML, build_model, logits, lora_config, randomize
 
 pytestmark = pytest.mark.usefixtures("megatron_single_rank")
 
@@ -30,7 +30,7 @@ def inputs(tmp_path_factory):
     from megatron.core import dist_checkpointing
 
     from megatron_slmoe.lora import inject_lora, save_adapter
-    from megatron_slmoe.moe.model_config import load_model_config
+    from megatron_slmoe.model.config import load_model_config
 
     root = tmp_path_factory.mktemp("merge-tool")
     config_path = root / "merge_unit.yaml"

@@ -9,14 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.model.build import build_gpt_model
+from megatron_slmoe.model.config import ModelConfig, load_model_config, packaged_configs
+from megatron_slmoe.model.validation import flag, validate_moe_config
 from megatron_slmoe.moe.config import SLMoEConfig
-from megatron_slmoe.moe.model_config import (
-    ModelConfig,
-    build_gpt_model,
-    load_model_config,
-    packaged_configs,
-)
-from megatron_slmoe.moe.validation import ConfigError, flag, validate_moe_config
 
 
 def _one_line(err: pytest.ExceptionInfo) -> str:

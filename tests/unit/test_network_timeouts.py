@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import free_port
+from tests.helpers.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # One rank, the way the entry point sets up (model_setup.init_distributed), then every group's timeout.
 PROBE = """
-import json, types, torch
+import json, torch
 import megatron_slmoe
 from torch.distributed import distributed_c10d as c10d
+from megatron_slmoe.config.run import ParallelConfig
 from megatron_slmoe.training import model_setup
-args = types.SimpleNamespace(distributed_timeout_minutes=7, tensor_model_parallel_size=1,
-                             pipeline_model_parallel_size=1, expert_model_parallel_size=1, seed=1)
-model_setup.init_distributed(args, megatron_slmoe.PLATFORM)
+model_setup.init_distributed(ParallelConfig(distributed_timeout_minutes=7), 1,
+                             megatron_slmoe.PLATFORM)
 out = {}
 for pg in list(c10d._world.pg_map):
     backend = pg._get_backend(torch.device(megatron_slmoe.PLATFORM.device().type))

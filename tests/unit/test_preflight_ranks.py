@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.harness import free_port
+from tests.helpers.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,8 @@ import itertools
 
 import pytest
 
-from megatron_slmoe.preflight import topology
+from megatron_slmoe.launch import topology
+from megatron_slmoe.preflight import sweep
 from megatron_slmoe.preflight.report import format_table
 
 
@@ -35,7 +36,7 @@ def test_split_by_node_gives_the_two_hops():
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 def test_pair_rounds_cover_every_pair_once_in_disjoint_rounds(n):
-    rounds = topology.pair_rounds(n)
+    rounds = sweep.pair_rounds(n)
     seen = [p for pairs in rounds for p in pairs]
     assert sorted(seen) == list(itertools.combinations(range(n), 2))
     for pairs in rounds:
@@ -45,15 +46,15 @@ def test_pair_rounds_cover_every_pair_once_in_disjoint_rounds(n):
 
 
 def test_bus_bandwidth_follows_nccl_tests():
-    alg, bus = topology.bus_bandwidth("all_reduce", 8 * 10**9, 4, 2.0)
+    alg, bus = sweep.bus_bandwidth("all_reduce", 8 * 10**9, 4, 2.0)
     assert alg == pytest.approx(4.0) and bus == pytest.approx(4.0 * 2 * 3 / 4)
-    _, bus = topology.bus_bandwidth("all_to_all", 10**9, 2, 1.0)
+    _, bus = sweep.bus_bandwidth("all_to_all", 10**9, 2, 1.0)
     assert bus == pytest.approx(0.5)
 
 
 def test_rank_ranges():
-    assert topology.rank_ranges([5, 0, 1, 2, 7, 8]) == "0-2, 5, 7-8"
-    assert topology.rank_ranges([3]) == "3"
+    assert sweep.rank_ranges([5, 0, 1, 2, 7, 8]) == "0-2, 5, 7-8"
+    assert sweep.rank_ranges([3]) == "3"
 
 
 def test_table_names_scopes_and_the_slowest_pair():

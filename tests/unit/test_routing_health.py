@@ -40,7 +40,8 @@ def _skewed_inputs(steps, gen):
 
 
 def _train(aux_coeff, steps=60):
-    from megatron_slmoe.moe.monitor import MonitorConfig, RoutingMonitor
+    from megatron_slmoe.config.run import MonitorConfig
+    from megatron_slmoe.moe.monitor import RoutingMonitor
 
     torch.manual_seed(0)
     layer, _ = _layer(moe_aux_loss_coeff=aux_coeff)
@@ -74,7 +75,8 @@ def test_aux_loss_lowers_load_imbalance():
 
 
 def test_collapsing_router_trips_the_detector(caplog):
-    from megatron_slmoe.moe.monitor import MonitorConfig, RoutingCollapseError, RoutingMonitor
+    from megatron_slmoe.config.run import MonitorConfig
+    from megatron_slmoe.moe.monitor import RoutingCollapseError, RoutingMonitor
 
     layer, _ = _layer()
     with torch.no_grad():
@@ -121,7 +123,8 @@ def test_expert_bias_updates_only_when_not_frozen(slmoe_kwargs, bias_moves):
 
 
 def test_monitor_reports_dispatcher_traffic_next_to_load():
-    from megatron_slmoe.moe.monitor import MonitorConfig, RoutingMonitor
+    from megatron_slmoe.config.run import MonitorConfig
+    from megatron_slmoe.moe.monitor import RoutingMonitor
 
     layer, _ = _layer()
     monitor = RoutingMonitor(layer, MonitorConfig())

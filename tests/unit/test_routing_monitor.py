@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_slmoe.moe.monitor import (MonitorConfig, RoutingCollapseError, RoutingMonitor,
+from megatron_slmoe.config.run import MonitorConfig
+from megatron_slmoe.moe.monitor import (RoutingCollapseError, RoutingMonitor,
                                         summary_line)
 from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator
 
@@ -306,7 +307,7 @@ def test_no_routers_gives_an_empty_report():
     ({"jsonl_path": 3}, "jsonl_path"),
 ])
 def test_invalid_config_raises_one_line_naming_the_field(bad, field):
-    with pytest.raises(ValueError, match=f"MonitorConfig.{field}") as info:
+    with pytest.raises(ValueError, match=f"monitor.{field}") as info:
         MonitorConfig(**bad)
     assert "\n" not in str(info.value)
 
@@ -314,7 +315,7 @@ def test_invalid_config_raises_one_line_naming_the_field(bad, field):
 def test_dominant_fraction_must_exceed_fair_share_of_the_model():
     config = MonitorConfig(dominant_fraction=0.2)
     RoutingMonitor(make_model(FakeRouter(8, 1)), config)  # 0.2 > 1/8
-    with pytest.raises(ValueError, match="MonitorConfig.dominant_fraction") as info:
+    with pytest.raises(ValueError, match="monitor.dominant_fraction") as info:
         RoutingMonitor(make_model(FakeRouter(8, 1), FakeRouter(4, 2)), config)  # 0.2 <= 1/4
     assert "\n" not in str(info.value) and "layer 2" in str(info.value)
 

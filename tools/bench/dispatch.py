@@ -17,7 +17,6 @@ dispatcher, ep_size, latent, tokens, fwd_bwd_ms, bytes_intra_node, bytes_inter_n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -54,6 +53,8 @@ def main(argv=None) -> int:
     import megatron_slmoe
     from megatron.core import parallel_state
 
+    from megatron_slmoe.utils.atomic import write_json_atomic
+
     platform = megatron_slmoe.PLATFORM
     platform.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.distributed.init_process_group(platform.backend, timeout=timedelta(minutes=10))
@@ -71,9 +72,7 @@ def main(argv=None) -> int:
     if rank == 0:
         print_table(rows)
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
+            write_json_atomic(args.json, rows)
             print(f"wrote {args.json}")
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
@@ -102,17 +101,21 @@ def _megatron_dispatcher(kind, num_experts, width, topk, ep):
 
 
 class _MegatronAdapter:
-    """Megatron's six-stage dispatcher API behind our dispatch/combine interface."""
+    """Megatron's six-stage dispatcher API behind our dispatch/combine contract (Megatron keeps
+    its per-call state on the dispatcher, so the plan is empty)."""
 
     def __init__(self, dispatcher):
         self.d = dispatcher
 
     def dispatch(self, x_TL, probs_TE, routing_map_TE):
+        from megatron_slmoe.moe.dispatch import Dispatched
+
         h, p = self.d.dispatch_preprocess(x_TL.unsqueeze(1), routing_map_TE, probs_TE)
         h, p = self.d.token_dispatch(h, p)
-        return self.d.dispatch_postprocess(h, p)
+        rows, tokens_per_expert, probs = self.d.dispatch_postprocess(h, p)
+        return Dispatched(rows, tokens_per_expert, probs, plan=None)
 
-    def combine(self, out_RL):
+    def combine(self, out_RL, plan):
         return self.d.combine_postprocess(self.d.token_combine(self.d.combine_preprocess(out_RL))).view(
             -1, out_RL.shape[-1])
 
@@ -121,8 +124,7 @@ def bench_shape(args, tokens, width, num_experts, platform):
     import torch
     from megatron.core import parallel_state
 
-    from megatron_slmoe.moe.alltoall import AllToAllDispatcher
-    from megatron_slmoe.moe.dispatcher import AllGatherDispatcher
+    from megatron_slmoe.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     ep_group = parallel_state.get_expert_model_parallel_group()
@@ -149,8 +151,8 @@ def bench_shape(args, tokens, width, num_experts, platform):
     def run(dispatcher, backward=True):
         xi = x.clone().requires_grad_(backward)
         pi = probs.clone().requires_grad_(backward)
-        rows_RL, _, probs_R = dispatcher.dispatch(xi, pi, routing_map)
-        y = dispatcher.combine(rows_RL * probs_R.unsqueeze(-1).to(rows_RL.dtype))
+        d = dispatcher.dispatch(xi, pi, routing_map)
+        y = dispatcher.combine(d.rows_RL * d.probs_R.unsqueeze(-1).to(d.rows_RL.dtype), d.plan)
         if backward:
             y.backward(grad)
         return y.detach()

@@ -6,7 +6,7 @@
 # Steps (each logs to OUT_DIR/<step>.log; a failed step is recorded and the next one runs):
 #   env      nvidia-smi, torch/CUDA versions, `python -m megatron_slmoe.platform`
 #   build    the CUDA extension in place (SLMOE_BUILD_CUDA=1, sm_80 + sm_90)
-#   tests    tests/gpu (the kernel matrix against fp64 references) -> tests.xml
+#   tests    tests/kernels (the kernel matrix on CPU and CUDA against fp64 references) -> tests.xml
 #   bench    tools/bench/lora_expert.py --device cuda (DeepSeek-V3- and Qwen3-like shapes)
 #   train    a short single-GPU bf16 LoRA fine-tune of the `small` config through the normal entry
 #            point (full-mode base steps first, then LoRA): tokens/s and peak memory in its metrics
@@ -50,7 +50,7 @@ step env bash -c "nvidia-smi || true; $PY -c 'import torch; print(torch.__versio
 
 if [ "$has_cuda" = 1 ]; then
     step build env SLMOE_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" $PY setup.py build_ext --inplace
-    step tests $PY -m pytest tests/gpu -q -p no:cacheprovider --junitxml "$out/tests.xml"
+    step tests $PY -m pytest tests/kernels -q -p no:cacheprovider --junitxml "$out/tests.xml"
     step bench $PY tools/bench/lora_expert.py --device cuda --json "$out/lora_expert_cuda.json"
     train_flags=(--model-config small --bf16 --seq-length 512 --micro-batch-size 8
                  --global-batch-size 32)

@@ -40,7 +40,6 @@ on one H200:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -51,6 +50,7 @@ import torch
 from torch import nn
 
 from megatron_slmoe.ops import LoRAGroupedLinear, lora_grouped_linear_reference, native_extension_error
+from megatron_slmoe.utils.atomic import write_json_atomic
 
 SCALING = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -410,12 +410,7 @@ def main_cuda(args):
 def write_json(rows, path):
     if not path:
         return
-    # Write whole or not at all: a temp file renamed into place.
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(rows, f, indent=1)
-    os.replace(tmp, path)
+    write_json_atomic(path, rows, indent=1)
     print(f"wrote {len(rows)} rows to {path}")
 
 

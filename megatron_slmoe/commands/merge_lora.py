@@ -1,0 +1,127 @@
+"""Fold a LoRA adapter into its base model and save the merged model as a Megatron dist checkpoint.
+
+    slmoe-merge-lora --base-checkpoint runs/demo/base --adapter runs/demo/lora/adapter \\
+        --config tiny --output runs/demo/merged
+
+The model is built as ``megatron_slmoe.model.build.build_gpt_model`` builds it, in one process
+(TP = PP = EP = 1, a one-rank gloo group), the base dist checkpoint is loaded into it, the adapter
+is loaded (``load_adapter``; its recorded base model config name must match ``--config``) and
+merged (W += alpha/r * B A, per expert too), and ``model.sharded_state_dict()`` is saved with
+Megatron's dist checkpointing into a temporary directory next to ``--output`` that is moved into
+place only when complete. The result loads like any base checkpoint of that config, in any layout.
+
+Bad input (missing or unreadable checkpoint, adapter, config; an adapter for another model; an
+existing non-empty output) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-checkpoint", required=True,
+                        help="Megatron dist checkpoint directory of the base model")
+    parser.add_argument("--adapter", required=True,
+                        help="adapter directory (adapter_config.json, adapter_model.safetensors)")
+    parser.add_argument("--config", required=True,
+                        help="model YAML file or packaged config name (tiny, flagship_2p8t)")
+    parser.add_argument("--output", required=True,
+                        help="directory for the merged dist checkpoint (must not exist, or be empty)")
+    return parser.parse_args(argv)
+
+
+class BadInput(Exception):
+    """One line for the user, exit code 2."""
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__
+
+
+def _load_error(err: BaseException) -> str:
+    """The cause of a failed dist-checkpoint load in one line (torch wraps it per rank, with
+    its traceback, in a CheckpointException)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))  # an exception, or (exception, frames)
+        cause = cause[0] if isinstance(cause, tuple) and cause else cause
+        if isinstance(cause, BaseException):
+            err = cause
+    return f"{type(err).__name__}: {_one_line(err)}"
+
+
+def _check_paths(args: argparse.Namespace) -> str:
+    for flag, path in (("--base-checkpoint", args.base_checkpoint), ("--adapter", args.adapter)):
+        if not os.path.isdir(path):
+            raise BadInput(f"{flag} {path}: no such directory")
+    output = os.path.abspath(args.output)
+    if os.path.lexists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise BadInput(f"--output {output} exists and is not an empty directory")
+    return output
+
+
+def merge(args: argparse.Namespace) -> str:
+    """Do the merge; returns the output directory."""
+    output = _check_paths(args)
+    from megatron.core import dist_checkpointing
+
+    import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.lora.adapter import AdapterError, load_adapter, merge_lora
+    from megatron_slmoe.model.build import build_gpt_model
+    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.platform.single_rank import init_single_rank
+    from megatron_slmoe.utils.atomic import atomic_directory
+
+    try:
+        model_config = load_model_config(args.config)
+    except ConfigError as err:
+        raise BadInput(_one_line(err)) from None
+    try:
+        init_single_rank()
+    except RuntimeError as err:  # a process with model parallelism already set up
+        raise BadInput(f"merge_lora runs in one process without model parallelism: {err}") from None
+    transformer_config = model_config.transformer_config(use_cpu_initialization=True,
+                                                         perform_initialization=False)
+    model = build_gpt_model(model_config, transformer_config)
+    try:
+        state = dist_checkpointing.load(model.sharded_state_dict(), args.base_checkpoint)
+        model.load_state_dict(state)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001  (torch's CheckpointException is a BaseException)
+        raise BadInput(f"cannot load base checkpoint {args.base_checkpoint} as model config "
+                       f"{model_config.name}: {_load_error(err)}") from None
+    try:
+        load_adapter(model, args.adapter, base_info={"model_config": model_config.name})
+    except AdapterError as err:
+        raise BadInput(_one_line(err)) from None
+    merge_lora(model)
+
+    with atomic_directory(output) as staging:  # ``output`` is absent or empty (checked above)
+        dist_checkpointing.save(model.sharded_state_dict(), staging)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
+    warnings.simplefilter("ignore", FutureWarning)  # torch deprecations inside Megatron's loader
+    try:
+        output = merge(args)
+    except BadInput as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"merged {args.adapter} into {args.base_checkpoint} -> {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Command-line flags and ``--config`` YAML, both generated from the run configuration tree.
+
+Precedence: a field's default < the ``--config`` YAML < the command line. The YAML has one
+mapping per section, keyed by field name, exactly as ``--print-config`` (and every run's
+``config.yaml``) writes it, so feeding that file back reproduces the run::
+
+    parallel:
+      expert_model_parallel_size: 2
+    lora:
+      rank: 16
+      targets: [linear_qkv, linear_fc1, linear_fc2]
+
+Every problem is one ConfigError line (a command line prints it and exits with code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, NoReturn, Optional, Sequence
+
+import yaml
+
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.config.run import RunConfig, validate_run
+from megatron_slmoe.config.schema import hints, settings
+from megatron_slmoe.config.types import describe, is_list, is_optional, literal_choices, matches, \
+    scalar_type
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a value that is not an int) as one line, exit 2;
+    usage is for --help."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+@dataclass(frozen=True)
+class CommandLine:
+    run: RunConfig
+    config_file: Optional[str]
+    print_config: bool
+    validate_only: bool
+
+
+_METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=prog, description=description, allow_abbrev=False,
+                            usage="%(prog)s [--config YAML] [flags]",
+                            argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", metavar="YAML",
+                        help="run configuration file, as --print-config writes it; flags win")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved run configuration as YAML and exit")
+    parser.add_argument("--validate-only", action="store_true",
+                        help="check the configuration and the files it names, then exit (the "
+                             "launcher does this before torchrun)")
+    for section, cls in RunConfig.sections().items():
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip().split("\n")[0])
+        for f in settings(cls):
+            _add_flag(group, section, f, hints(cls)[f.name])
+    return parser
+
+
+def _add_flag(group, section: str, f, hint: Any) -> None:
+    dest = f"{section}.{f.name}"
+    default = f.default_factory() if callable(f.default_factory) else f.default
+    text = f.metadata["help"]
+    shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+    kwargs: dict[str, Any] = {"dest": dest,
+                              "help": text if default is None else f"{text} [default: {shown}]"}
+    if hint is bool or (is_optional(hint) and scalar_type(hint) is bool):
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = scalar_type(hint)
+        choices = literal_choices(hint)
+        if choices:
+            kwargs["choices"] = [c for c in choices if c is not None]
+        if is_list(hint):
+            kwargs["nargs"] = "+"
+        if not choices:
+            kwargs["metavar"] = _METAVARS.get(kwargs["type"], "VALUE")
+    group.add_argument(f.metadata["flag"], **kwargs)
+    for switch, value in f.metadata["switches"].items():
+        group.add_argument(switch, dest=dest, action="store_const", const=value,
+                           help=f"same as {f.metadata['flag']} {value}")
+
+
+def read_yaml(path: str) -> dict[str, dict[str, Any]]:
+    """The sections of a run-configuration file, each key checked against its field's type."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as err:
+        raise ConfigError(f"--config {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    sections = RunConfig.sections()
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections "
+                          f"({', '.join(sections)})")
+    values: dict[str, dict[str, Any]] = {}
+    for section, content in data.items():
+        if section not in sections:
+            raise ConfigError(f"--config {path}: unknown section {section!r} (the sections are "
+                              f"{', '.join(sections)})")
+        if not isinstance(content, dict):
+            raise ConfigError(f"--config {path}: section {section!r} must be a mapping of fields")
+        cls = sections[section]
+        known = {f.name: f for f in settings(cls)}
+        for key, value in content.items():
+            if key not in known:
+                raise ConfigError(f"--config {path}: unknown key {section}.{key} (known: "
+                                  f"{', '.join(known)})")
+            hint = hints(cls)[key]
+            if not matches(value, hint):
+                raise ConfigError(f"--config {path}: {section}.{key}: {known[key].metadata['flag']}"
+                                  f" must be {describe(hint)}, got {value!r}")
+        values[section] = dict(content)
+    return values
+
+
+def parse_command_line(argv: Optional[Sequence[str]], *, prog: str, description: str,
+                       world_size: Optional[int] = None) -> CommandLine:
+    """Flags (and ``--config``) -> the checked run configuration. ``world_size``: check the
+    layout rules against it (default: $WORLD_SIZE, else 1); 0 skips those rules."""
+    namespace = vars(build_parser(prog, description).parse_args(argv))
+    config_file = namespace.pop("config", None)
+    print_config = namespace.pop("print_config", False)
+    validate_only = namespace.pop("validate_only", False)
+    values = read_yaml(config_file) if config_file else {}
+    for dest, value in namespace.items():
+        section, name = dest.split(".", 1)
+        values.setdefault(section, {})[name] = value
+    run = build_run_config(values)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size:
+        validate_run(run, world_size)
+    return CommandLine(run, config_file, print_config, validate_only)
+
+
+def build_run_config(values: dict[str, dict[str, Any]]) -> RunConfig:
+    """A RunConfig from per-section field values (missing ones take their defaults)."""
+    try:
+        return RunConfig(**{name: cls(**values.get(name, {}))
+                            for name, cls in RunConfig.sections().items()})
+    except TypeError as err:  # an unknown field name passed in code
+        raise ConfigError(str(err)) from None
+
+
+def to_yaml(run: RunConfig) -> str:
+    header = "# megatron_slmoe run configuration (feed back with --config FILE; flags win)\n"
+    return header + yaml.safe_dump(run.to_dict(), sort_keys=False, default_flow_style=False)

@@ -1,0 +1,429 @@
+"""Peak memory of one rank of a LoRA fine-tune, by component, for every pipeline stage.
+
+``estimate_memory(shape, settings, device)`` returns a ``MemoryEstimate``: one ``StageMemory`` per
+pipeline stage (the peak rank is the largest) with
+
+* ``weights``: the frozen base weights by dtype (norm weights stay fp32 in bf16 runs: Megatron's
+  torch norms are built without the params dtype and our trainer adds no Float16Module). Attention,
+  dense and shared-expert MLPs and the vocabulary are split over TP, routed experts over EP,
+  router and latent projections are replicated; the embedding lives on the first stage, the output
+  layer on the last;
+* ``lora_params``: the adapters, in the dtype of the weight they adapt;
+* ``grad_buffers``: Megatron DDP's contiguous gradient buffers, fp32 (``grad_reduce_in_fp32``) for
+  the trainable parameters only (with the distributed optimizer the parameters move into DDP's
+  parameter buffer, which replaces their storage and costs nothing extra);
+* ``optimizer``: Adam's two fp32 moments, plus the fp32 main copy of each 16-bit parameter
+  (Megatron's mixed-precision optimizer); divided over the data-parallel ranks of each parameter
+  (dense: dp, expert: tp * dp / ep) with the distributed optimizer;
+* ``activations`` and ``moe_rows``: what autograd keeps for backward, per micro-batch, times the
+  micro-batches in flight (1F1B: ``min(pp - stage, micro-batches)``); ``moe_rows`` is the expert
+  side, at the routed row count with the imbalance (and capacity) of the busiest rank;
+* ``transient``: the working set on top at the worst moment of the step (the loss's logits, one
+  layer's backward and its all-to-all buffers, a recomputed layer);
+* ``framework_overhead`` and ``fragmentation`` of the device (see ``megatron_slmoe.plan.devices``).
+
+What is saved for backward follows Megatron-Core's local (non-TransformerEngine) layers that
+``megatron_slmoe.moe.specs`` builds, with frozen base weights, LoRA on the targets, unfused
+attention (it keeps the softmax probabilities, S^2 per head), sequence parallelism with TP. Each
+rule is written next to the tensors it counts; the benchmark ``tools/bench/plan_accuracy.py``
+measures the whole against real runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field
+
+from megatron_slmoe.plan.devices import DeviceSpec
+from megatron_slmoe.plan.model_shape import (
+    ModelShape,
+    census,
+    embedding_parameters,
+    layer_parameters,
+    output_parameters,
+)
+from megatron_slmoe.plan.settings import DTYPES, RunSettings
+
+_FP32 = 4
+_INT64 = 8
+
+COMPONENTS = ("weights", "lora_params", "grad_buffers", "optimizer", "activations", "moe_rows",
+              "transient", "framework_overhead", "fragmentation")
+"""The parts of a rank's peak, in the order reports list them."""
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    layers: tuple[int, int]
+    """First and one-past-last layer index of this stage."""
+    weights_by_dtype: dict[str, int]
+    lora_params: int
+    grad_buffers: int
+    optimizer: int
+    activations: int
+    moe_rows: int
+    transient: int
+    transient_event: str
+    """Which moment of the step the transient belongs to (loss, moe backward, ...)."""
+    in_flight: int
+    """Micro-batches whose activations are held at the peak."""
+    framework_overhead: int
+    fragmentation: int
+    trainable_params: int
+
+    @property
+    def weights(self) -> int:
+        return sum(self.weights_by_dtype.values())
+
+    @property
+    def peak(self) -> int:
+        return sum(self.component(name) for name in COMPONENTS)
+
+    def component(self, name: str) -> int:
+        return getattr(self, name)
+
+    def breakdown(self) -> dict[str, int]:
+        return {name: self.component(name) for name in COMPONENTS}
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(weights=self.weights, peak=self.peak)
+        return data
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stages: tuple[StageMemory, ...]
+    weights_bytes_total: int
+    """The whole model's base weights (all ranks together, no replicas)."""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak_stage(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.peak)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_stage.peak
+
+
+# --- static: weights, adapters, gradients, optimizer ---------------------------------------------
+
+
+def _stage_layers(shape: ModelShape, settings: RunSettings, stage: int) -> range:
+    per_stage = shape.num_layers // settings.pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dense_layer_weights(shape: ModelShape, settings: RunSettings, moe: bool) -> tuple[int, int]:
+    """(16-bit-or-run-dtype parameters, fp32 norm parameters) of one layer on one rank."""
+    counts = layer_parameters(shape, moe)
+    tp, ep = settings.tp, settings.ep
+    run_dtype = counts["attention"] // tp
+    if moe:
+        run_dtype += (counts["router"] + counts["latent"] + counts["routed_experts"] // ep
+                      + counts["shared_experts"] // tp)
+    else:
+        run_dtype += counts["dense_mlp"] // tp
+    return run_dtype, counts["norms"]
+
+
+@functools.lru_cache(maxsize=4096)
+def _lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> tuple[int, int]:
+    """(dense LoRA parameters, expert LoRA parameters) of one layer on one rank."""
+    r, tp, d = settings.lora_rank, settings.tp, shape.hidden
+    targets = set(settings.lora_targets)
+    dense = 0
+    if "linear_qkv" in targets:  # A [r, d] replicated, B [qkv/tp, r]
+        dense += r * d + (shape.heads + 2 * shape.query_groups) * shape.kv_channels // tp * r
+    if "linear_proj" in targets:  # A [r, hc/tp], B [d, r]
+        dense += r * shape.attention_width // tp + d * r
+    fc1_out = 2 if shape.gated else 1
+    if not moe:
+        if "linear_fc1" in targets:
+            dense += r * d + fc1_out * shape.ffn_hidden // tp * r
+        if "linear_fc2" in targets:
+            dense += r * shape.ffn_hidden // tp + d * r
+        return dense, 0
+    if "router" in targets:
+        dense += r * d + shape.experts * r
+    if "latent" in targets and shape.latent:
+        dense += 2 * (r * d + shape.latent * r)
+    if "shared_experts" in targets and shape.shared_ffn:
+        dense += r * d + fc1_out * shape.shared_ffn // tp * r + r * shape.shared_ffn // tp + d * r
+    width, f = shape.expert_width, shape.expert_ffn
+    per_expert = 0
+    if "linear_fc1" in targets:  # A [r, l], B [2f, r]
+        per_expert += r * width + 2 * f * r
+    if "linear_fc2" in targets:  # A [r, f], B [l, r]
+        per_expert += r * f + width * r
+    return dense, per_expert * (shape.experts // settings.ep)
+
+
+def _static(shape: ModelShape, settings: RunSettings, stage: int) -> dict:
+    b = settings.element_size
+    layers = _stage_layers(shape, settings, stage)
+    run_dtype = norms = lora_dense = lora_expert = buffers = 0
+    for index in layers:
+        moe = shape.moe_layers[index]
+        w, n = _dense_layer_weights(shape, settings, moe)
+        run_dtype, norms = run_dtype + w, norms + n
+        ld, le = _lora_layer_params(shape, settings, moe)
+        lora_dense, lora_expert = lora_dense + ld, lora_expert + le
+        if moe:
+            buffers += 2 * shape.experts * _FP32  # expert bias and its token count (router)
+    first, last = stage == 0, stage == settings.pp - 1
+    if first:
+        run_dtype += embedding_parameters(shape) // settings.tp
+    if last:
+        norms += shape.hidden * shape.norm_params
+        # A tied output weight is a second copy on the last stage when it is not the first.
+        out = output_parameters(shape) or (shape.vocab * shape.hidden if not first else 0)
+        run_dtype += out // settings.tp
+    trainable = lora_dense + lora_expert
+    lora_bytes = trainable * b
+    grad_buffers = trainable * _FP32
+    # Adam moments (fp32), plus an fp32 main copy of 16-bit parameters.
+    per_param = 2 * _FP32 + (_FP32 if b < _FP32 else 0)
+    if settings.distributed_optimizer:
+        optimizer = (per_param * lora_dense // settings.dp
+                     + per_param * lora_expert // settings.expert_dp)
+    else:
+        optimizer = per_param * trainable
+    return {
+        "weights_by_dtype": _by_dtype((settings.dtype, run_dtype * b),
+                                      ("fp32", norms * _FP32 + buffers)),
+        "lora_params": lora_bytes, "grad_buffers": grad_buffers, "optimizer": optimizer,
+        "trainable_params": trainable,
+    }
+
+
+def _by_dtype(*items: tuple[str, int]) -> dict[str, int]:
+    result: dict[str, int] = {}
+    for dtype, nbytes in items:
+        result[dtype] = result.get(dtype, 0) + nbytes
+    return result
+
+
+# --- activations ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """Token counts of one micro-batch on one rank."""
+
+    seq: int
+    full: int
+    """T = seq x micro-batch: what a TP rank sees inside attention and column-parallel linears."""
+    sharded: int
+    """T / tp: the sequence-parallel shard (norms, router, residual stream)."""
+    rows_sent: float
+    """(token, expert) rows this rank dispatches."""
+    rows_received: float
+    """Rows the busiest expert-parallel rank receives (imbalance and capacity)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _tokens(shape: ModelShape, settings: RunSettings) -> _Tokens:
+    full = settings.seq_length * settings.micro_batch_size
+    sharded = full // settings.tp
+    routed = sharded * shape.topk
+    factor = shape.capacity_factor
+    if factor is not None:
+        capacity_rows = shape.experts * -(-sharded * shape.topk * factor // shape.experts)
+        sent = capacity_rows if shape.pad_to_capacity else min(routed, capacity_rows)
+    else:
+        sent = routed
+    imbalance = settings.moe_imbalance if settings.ep > 1 else 1.0
+    if factor is not None:
+        imbalance = factor if shape.pad_to_capacity else min(imbalance, factor)
+    return _Tokens(settings.seq_length, full, sharded, float(sent), routed * imbalance)
+
+
+def _norm(shape: ModelShape, tokens: int) -> int:
+    """A torch RMSNorm/LayerNorm keeps its input in fp32 (a copy in 16-bit runs) and an fp32
+    rsqrt per token."""
+    return (_FP32 * shape.hidden + _FP32) * tokens
+
+
+def _attention(shape: ModelShape, s: RunSettings, t: _Tokens, input_needs_grad: bool) -> int:
+    b, r, tp = s.element_size, s.lora_rank, s.tp
+    heads, groups, c = shape.heads // tp, shape.query_groups // tp, shape.kv_channels
+    total = _norm(shape, t.sharded) if input_needs_grad else 0
+    if "linear_qkv" in s.lora_targets:
+        total += (shape.hidden + r) * b * t.full  # LoRA A's input is the SP-gathered input
+    total += 4 * t.seq * c * b  # rotary cos/sin for q and k
+    if s.recompute == "full" or s.recomputes("core_attn"):
+        total += (heads + 2 * groups) * c * b * t.full  # checkpoint inputs q, k, v
+    else:
+        # q, and k, v expanded to every head (a view of the fused qkv output without GQA).
+        v_width = heads if groups < heads else heads + 2 * groups
+        total += (2 * heads + v_width) * c * b * t.full
+        # softmax probabilities, fp32, and their 16-bit copy for the context bmm; causal mask.
+        probs = _FP32 + (b if b < _FP32 else 0)
+        total += heads * t.seq * t.full * probs + t.seq * t.seq
+    if "linear_proj" in s.lora_targets:
+        total += heads * c * b * t.full + r * b * t.sharded
+    return total + _norm(shape, t.sharded)  # pre-MLP norm
+
+
+def _dense_mlp(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
+    b = s.element_size
+    if s.recomputes("mlp"):
+        return shape.hidden * b * t.sharded  # checkpoint input
+    return _mlp_saved(shape.ffn_hidden // s.tp, "linear_fc1" in s.lora_targets,
+                      "linear_fc2" in s.lora_targets, shape, s, t)
+
+
+def _mlp_saved(ffn: int, lora_fc1: bool, lora_fc2: bool, shape: ModelShape, s: RunSettings,
+               t: _Tokens) -> int:
+    """A Megatron MLP with frozen weights: SwiGLU keeps fc1's output (2F), glu's x_linear + 0 (F)
+    and silu's output (F); LoRA adds its input and r per token for fc1 and fc2."""
+    b, r = s.element_size, s.lora_rank
+    total = (4 * ffn if shape.gated else ffn) * b * t.full
+    if lora_fc1:
+        total += (shape.hidden + r) * b * t.full
+    if lora_fc2:
+        total += ffn * b * t.full + r * b * t.sharded
+    return total
+
+
+def _moe_dense_side(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
+    """What an MoE layer keeps outside the expert rows: router, latent, indices, shared expert."""
+    b, r, d = s.element_size, s.lora_rank, shape.hidden
+    if s.recomputes("moe"):
+        return d * b * t.sharded  # checkpoint input (the pre-MLP norm output)
+    # Router: its input, fp32 scores (three uses), top-k indices and sums.
+    total = (d * b + 3 * _FP32 * shape.experts + (2 * _INT64 + _FP32) * shape.topk
+             + 2 * _FP32) * t.sharded
+    if shape.router_groups:
+        total += 2 * _FP32 * shape.router_groups * t.sharded  # group scores and mask
+    if "router" in s.lora_targets:
+        total += r * _FP32 * t.sharded
+    if "latent" in s.lora_targets and shape.latent:
+        total += (r + shape.latent + r) * b * t.sharded  # down: r (input is the router's); up
+    total += 2 * _INT64 * t.rows_sent + _INT64 * t.rows_received  # permutation indices
+    total += shape.expert_width * b * t.rows_sent  # combine's index_add keeps its source rows
+    if shape.shared_ffn:
+        total += _mlp_saved(shape.shared_ffn // s.tp, "shared_experts" in s.lora_targets,
+                            "shared_experts" in s.lora_targets, shape, s, t)
+    return total
+
+
+def _moe_rows(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
+    """Expert side per received row: LoRA fc1 input and r, SwiGLU (2f + f + f), the router
+    probability, LoRA fc2 input and r, and the output rows combine regroups."""
+    if s.recomputes("moe"):
+        return 0
+    b, r, f, width = s.element_size, s.lora_rank, shape.expert_ffn, shape.expert_width
+    per_row = 4 * f + 1 + width
+    if "linear_fc1" in s.lora_targets:
+        per_row += width + r
+    if "linear_fc2" in s.lora_targets:
+        per_row += f + r
+    return int(per_row * b * t.rows_received)
+
+
+def _loss(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
+    """Final norm and the fp32 logits the vocab-parallel cross entropy keeps (with mask and
+    labels)."""
+    return _norm(shape, t.sharded) + shape.vocab // s.tp * _FP32 * t.full + 9 * t.full
+
+
+@dataclass(frozen=True)
+class _LayerActivations:
+    dense: int
+    """Kept for backward outside the expert rows."""
+    rows: int
+    """Kept for backward on the expert side."""
+    backward_extra: int
+    """The most this layer's backward adds on top of what every layer keeps: recomputed
+    activations and gradients, less what its own finished parts have freed."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer(shape: ModelShape, s: RunSettings, t: _Tokens, moe: bool,
+           input_needs_grad: bool) -> _LayerActivations:
+    b = s.element_size
+    plain = s.replace(recompute="none")
+    attention = _attention(shape, s, t, input_needs_grad)
+    mlp = _moe_dense_side(shape, s, t) if moe else _dense_mlp(shape, s, t)
+    rows = _moe_rows(shape, s, t) if moe else 0
+    if s.recompute == "full":
+        attention, mlp, rows = shape.hidden * b * t.sharded, 0, 0  # only the layer input
+    # What each half brings back when recomputed (the full layer: both halves at once).
+    attention_again = (_attention(shape, plain, t, input_needs_grad)
+                       if s.recompute == "full" or s.recomputes("core_attn") else 0)
+    mlp_again = 0
+    if s.recompute == "full" or (moe and s.recomputes("moe")) or (not moe and s.recomputes("mlp")):
+        mlp_again = (_moe_dense_side(shape, plain, t) + _moe_rows(shape, plain, t) if moe
+                     else _dense_mlp(shape, plain, t))
+    if s.recompute == "full":
+        attention_again = _attention(shape, plain, t, input_needs_grad)
+        mlp_again += attention_again  # checkpointed as one layer
+    # Backward of the MLP half first: gradients of the expert internals (fc1's output and the
+    # activation) and the exchanged gradient rows both ways.
+    mlp_work = 0
+    if moe:
+        f, width = shape.expert_ffn, shape.expert_width
+        mlp_work = int((3 * f + width) * b * t.rows_received + width * b * t.rows_sent)
+    # Then attention: fp32 gradients of the softmax probabilities and scores; by then the MLP
+    # half's own activations are freed.
+    heads = shape.heads // s.tp
+    attention_work = heads * t.seq * t.full * 2 * _FP32
+    freed = 0 if s.recompute == "full" else mlp + rows
+    extra = max(mlp_again + mlp_work, attention_again + attention_work - freed)
+    return _LayerActivations(attention + mlp, rows, max(0, extra))
+
+
+def _stage_activations(shape: ModelShape, s: RunSettings, stage: int) -> dict:
+    t = _tokens(shape, s)
+    layers = [
+        _layer(shape, s, t, shape.moe_layers[i],
+               input_needs_grad=not (i == 0 and s.recompute == "none"))
+        for i in _stage_layers(shape, s, stage)
+    ]
+    last = stage == s.pp - 1
+    dense = sum(layer.dense for layer in layers) + (_loss(shape, s, t) if last else 0)
+    rows = sum(layer.rows for layer in layers)
+    in_flight = min(s.pp - stage, s.num_microbatches)
+    # The worst moment on top of the held activations: the loss of the last micro-batch (its
+    # 16-bit logits beside the fp32 copy) or one layer's backward.
+    events = {"backward": max(layer.backward_extra for layer in layers)}
+    if last and s.element_size < _FP32:
+        events["loss"] = shape.vocab // s.tp * s.element_size * t.full
+    transient_event, transient = max(events.items(), key=lambda kv: kv[1])
+    return {"activations": in_flight * dense, "moe_rows": in_flight * rows,
+            "in_flight": in_flight, "transient": transient,
+            "transient_event": transient_event}
+
+
+# --- the estimate -----------------------------------------------------------------------------
+
+
+def estimate_memory(shape: ModelShape, settings: RunSettings, device: DeviceSpec) -> MemoryEstimate:
+    """Per-stage peak memory of one rank (the settings must be valid for the shape)."""
+    stages = []
+    for stage in range(settings.pp):
+        static = _static(shape, settings, stage)
+        acts = _stage_activations(shape, settings, stage)
+        allocated = (sum(static["weights_by_dtype"].values()) + static["lora_params"]
+                     + static["grad_buffers"] + static["optimizer"] + acts["activations"]
+                     + acts["moe_rows"] + acts["transient"])
+        stages.append(StageMemory(
+            stage=stage,
+            layers=(stage * shape.num_layers // settings.pp,
+                    (stage + 1) * shape.num_layers // settings.pp),
+            framework_overhead=device.framework_overhead,
+            fragmentation=int(allocated * device.fragmentation),
+            **static, **acts))
+    return MemoryEstimate(tuple(stages), weights_bytes_total(shape, settings.dtype))
+
+
+def weights_bytes_total(shape: ModelShape, dtype: str = "bf16") -> int:
+    """Bytes of the whole model's base weights in ``dtype`` (norms in fp32, as built)."""
+    counts = census(shape)["breakdown"]
+    norms = counts["norms"]
+    return (sum(counts.values()) - norms) * DTYPES[dtype] + norms * _FP32

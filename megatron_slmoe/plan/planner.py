@@ -1,0 +1,225 @@
+"""Enumerate the layouts of a cluster, keep those that fit, rank them by estimated step time.
+
+``evaluate(shape, settings, device)`` prices one layout (a ``LayoutVerdict``: fits or why not,
+the memory estimate, the step time). ``plan(shape, device, num_devices, options)`` enumerates TP
+(within a node), PP, EP, the distributed optimizer, recomputation and micro-batch sizes, and
+returns a ``Plan`` with every layout, fitting ones first and fastest first; when none fits it
+also names the smallest cluster of this device on which one does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from megatron_slmoe.plan.devices import DeviceSpec, GiB
+from megatron_slmoe.plan.memory import (
+    MemoryEstimate,
+    estimate_memory,
+    weights_bytes_total,
+)
+from megatron_slmoe.plan.model_shape import ModelShape
+from megatron_slmoe.plan.settings import DEFAULT_LORA_TARGETS, RunSettings
+from megatron_slmoe.plan.step_time import StepTime, estimate_step_time
+
+RECOMPUTE_CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("none", ("core_attn",)),
+    ("selective", ("core_attn",)),
+    ("selective", ("core_attn", "moe")),
+    ("full", ("core_attn",)),
+)
+"""Recomputation the planner tries, cheapest first."""
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What stays fixed while the planner varies the layout."""
+
+    seq_length: int = 4096
+    global_batch_size: int = 512
+    dtype: str = "bf16"
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    moe_imbalance: float = 1.25
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    hierarchical_alltoall: Optional[bool] = None
+    """None: hierarchical whenever the expert-parallel group spans nodes."""
+
+    def settings(self, **layout) -> RunSettings:
+        return RunSettings(seq_length=self.seq_length, global_batch_size=self.global_batch_size,
+                           dtype=self.dtype, lora_rank=self.lora_rank,
+                           lora_targets=self.lora_targets, moe_imbalance=self.moe_imbalance,
+                           **layout)
+
+
+@dataclass(frozen=True)
+class LayoutVerdict:
+    settings: RunSettings
+    fits: bool
+    reason: Optional[str]
+    """Why it does not fit or is invalid; None when it fits."""
+    memory: Optional[MemoryEstimate] = None
+    time: Optional[StepTime] = None
+    usable_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> Optional[int]:
+        return self.memory.peak_bytes if self.memory else None
+
+    @property
+    def step_time_s(self) -> Optional[float]:
+        return self.time.step_time_s if self.time else None
+
+    def to_dict(self) -> dict:
+        s = self.settings
+        data = {
+            "tp": s.tp, "pp": s.pp, "ep": s.ep, "dp": s.dp,
+            "distributed_optimizer": s.distributed_optimizer, "recompute": s.recompute,
+            "recompute_modules": list(s.recompute_modules) if s.recompute == "selective" else [],
+            "micro_batch_size": s.micro_batch_size, "hierarchical_alltoall":
+                s.hierarchical_alltoall, "num_microbatches": s.num_microbatches,
+            "fits": self.fits, "reason": self.reason,
+            "peak_bytes_per_rank": self.peak_bytes, "usable_bytes_per_rank": self.usable_bytes,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.time.tokens_per_s if self.time else None,
+        }
+        if self.memory:
+            peak = self.memory.peak_stage
+            data["peak_stage"] = peak.stage
+            data["breakdown"] = peak.breakdown()
+            data["weights_by_dtype"] = peak.weights_by_dtype
+            data["transient_event"] = peak.transient_event
+            data["in_flight_microbatches"] = peak.in_flight
+            data["stages_peak_bytes"] = [stage.peak for stage in self.memory.stages]
+        if self.time:
+            data["time"] = self.time.to_dict()
+        return data
+
+
+def evaluate(shape: ModelShape, settings: RunSettings, device: DeviceSpec) -> LayoutVerdict:
+    """Whether ``settings`` fits ``device`` for ``shape``, with the memory and time estimates."""
+    settings.validate()
+    invalid = settings.layout_error(shape)
+    if invalid:
+        return LayoutVerdict(settings, False, invalid, usable_bytes=device.memory_bytes)
+    memory = estimate_memory(shape, settings, device)
+    time = estimate_step_time(shape, settings, device)
+    peak = memory.peak_stage
+    if peak.peak > device.memory_bytes:
+        largest = max(peak.breakdown().items(), key=lambda kv: kv[1])
+        reason = (f"needs {peak.peak / GiB:.1f} GiB on stage {peak.stage} > "
+                  f"{device.memory_bytes / GiB:.1f} GiB (largest: {largest[0]} "
+                  f"{largest[1] / GiB:.1f} GiB)")
+        return LayoutVerdict(settings, False, reason, memory, time, device.memory_bytes)
+    return LayoutVerdict(settings, True, None, memory, time, device.memory_bytes)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(shape: ModelShape, device: DeviceSpec, num_devices: int, options: PlanOptions,
+            micro_batch_sizes: Optional[Iterable[int]] = None,
+            recompute_choices=RECOMPUTE_CHOICES) -> list[RunSettings]:
+    """Every candidate layout of ``num_devices`` devices (TP within a node, powers of two)."""
+    node = device.devices_per_node
+    candidates = []
+    for tp in (t for t in (1, 2, 4, 8, 16, 32) if t <= min(node, num_devices)):
+        if shape.heads % tp or shape.query_groups % tp or num_devices % tp:
+            continue
+        for pp in _divisors(shape.num_layers):
+            if num_devices % (tp * pp):
+                continue
+            dp = num_devices // (tp * pp)
+            for ep in _divisors(shape.experts or 1):
+                if (tp * dp) % ep:
+                    continue
+                spans_nodes = ep > node
+                hierarchical = (options.hierarchical_alltoall if options.hierarchical_alltoall
+                                is not None else spans_nodes)
+                for distopt in ((False, True) if dp > 1 else (False,)):
+                    for recompute, modules in recompute_choices:
+                        for mbs in micro_batch_sizes or options.micro_batch_sizes:
+                            if options.global_batch_size % (mbs * dp):
+                                continue
+                            candidates.append(options.settings(
+                                tp=tp, pp=pp, ep=ep, dp=dp, distributed_optimizer=distopt,
+                                recompute=recompute, recompute_modules=modules,
+                                micro_batch_size=mbs, hierarchical_alltoall=hierarchical,
+                                devices_per_node=node))
+    return candidates
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    device: DeviceSpec
+    num_devices: int
+    options: PlanOptions
+    verdicts: list[LayoutVerdict]
+    """Fitting layouts fastest first, then the rejected ones, nearest to fitting first."""
+    smallest_fitting: Optional[int] = None
+    """When nothing fits: the fewest devices of this kind on which a layout does."""
+    smallest_layout: Optional[LayoutVerdict] = None
+    weights_bytes_total: int = field(default=0)
+
+    @property
+    def feasible(self) -> list[LayoutVerdict]:
+        return [v for v in self.verdicts if v.fits]
+
+    @property
+    def best(self) -> Optional[LayoutVerdict]:
+        return self.feasible[0] if self.feasible else None
+
+
+def _rank(verdicts: list[LayoutVerdict]) -> list[LayoutVerdict]:
+    fitting = sorted((v for v in verdicts if v.fits), key=lambda v: v.step_time_s)
+    rejected = sorted((v for v in verdicts if not v.fits),
+                      key=lambda v: (v.peak_bytes is None, v.peak_bytes or 0))
+    return fitting + rejected
+
+
+def plan(shape: ModelShape, device: DeviceSpec, num_devices: int,
+         options: PlanOptions = PlanOptions()) -> Plan:
+    """Every layout of ``num_devices`` devices, ranked; the smallest cluster when none fits."""
+    verdicts = _rank([evaluate(shape, s, device)
+                      for s in layouts(shape, device, num_devices, options)])
+    result = Plan(shape, device, num_devices, options, verdicts,
+                  weights_bytes_total=weights_bytes_total(shape, options.dtype))
+    if not result.feasible:
+        result.smallest_fitting, result.smallest_layout = smallest_cluster(
+            shape, device, num_devices, options)
+    return result
+
+
+def _fastest_fit(shape, device, num_devices, options, lean: bool) -> Optional[LayoutVerdict]:
+    # lean: only the memory-thriftiest choices (micro-batch 1, recomputing the MoE layer or all).
+    kwargs = {"micro_batch_sizes": (1,), "recompute_choices": RECOMPUTE_CHOICES[2:]} if lean else {}
+    best = None
+    for settings in layouts(shape, device, num_devices, options, **kwargs):
+        verdict = evaluate(shape, settings, device)
+        if verdict.fits and (best is None or verdict.step_time_s < best.step_time_s):
+            best = verdict
+    return best
+
+
+def smallest_cluster(shape: ModelShape, device: DeviceSpec, num_devices: int,
+                     options: PlanOptions, limit: int = 1 << 20
+                     ) -> tuple[Optional[int], Optional[LayoutVerdict]]:
+    """The fewest devices (a multiple of a node, above ``num_devices``) with a fitting layout."""
+    node = device.devices_per_node
+    low, high = num_devices, max(node, -(-num_devices // node) * node)
+    found = None
+    while high <= limit:
+        found = _fastest_fit(shape, device, high, options, lean=True)
+        if found:
+            break
+        low, high = high, high * 2
+    if not found:
+        return None, None
+    # Search the node multiples between the last failure and the first fit.
+    for size in range(-(-(low + 1) // node) * node, high, node):
+        verdict = _fastest_fit(shape, device, size, options, lean=True)
+        if verdict:
+            return size, verdict
+    return high, found

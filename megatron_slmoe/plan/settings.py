@@ -1,0 +1,174 @@
+"""The run settings the planner prices: one parallel layout plus what changes memory and time.
+
+``RunSettings`` mirrors the fine-tuning job's flags (named in each field's docstring) so that the
+training entry point can describe its own run (``RunSettings.from_run_config``) and the planner can
+enumerate others. ``validate()`` checks the values; ``layout_error(shape)`` checks that the layout
+divides the model the way Megatron-Core requires. Both name the flag in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_slmoe.config.run import DEFAULT_LORA_TARGETS, RunConfig
+from megatron_slmoe.plan._sources import LORA_TARGETS
+from megatron_slmoe.plan.model_shape import ModelShape
+
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")
+"""Selective recomputation the model honours: Megatron's core attention and dense MLP, and the
+whole Stable Latent MoE layer (``megatron_slmoe.moe.layer``)."""
+DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    tp: int = 1
+    """--tensor-model-parallel-size (sequence parallelism is on whenever tp > 1)."""
+    pp: int = 1
+    """--pipeline-model-parallel-size (1F1B schedule)."""
+    ep: int = 1
+    """--expert-model-parallel-size (expert tensor parallelism is 1)."""
+    dp: int = 1
+    """Data-parallel size: world size / (tp * pp)."""
+    distributed_optimizer: bool = False
+    """--use-distributed-optimizer: main parameters and Adam state sharded over data parallelism."""
+    recompute: str = "none"
+    """--recompute-granularity: none, selective or full (uniform, one layer per checkpoint)."""
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """--recompute-modules with selective recomputation (Megatron's default: core_attn)."""
+    micro_batch_size: int = 1
+    """--micro-batch-size."""
+    seq_length: int = 4096
+    """--seq-length."""
+    global_batch_size: int = 256
+    """--global-batch-size (a multiple of micro-batch size x dp)."""
+    dtype: str = "bf16"
+    """bf16 (--bf16), fp16 or fp32 (--fp32): the dtype of weights and activations."""
+    lora_rank: int = 8
+    """--lora-rank."""
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    """--lora-target-modules."""
+    moe_imbalance: float = 1.25
+    """Tokens received by the busiest expert-parallel rank over the mean (the routing monitor's
+    per-rank load); capped by the model's capacity factor when it has one."""
+    hierarchical_alltoall: bool = False
+    """--moe-hierarchical-alltoall: inter-node hop once per destination node, then intra-node."""
+    devices_per_node: int = 8
+    """Ranks per node (LOCAL_WORLD_SIZE): which exchanges cross nodes."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of the expert parameters: the stage's tp * dp ranks over ep."""
+        return self.tp * self.dp // self.ep
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def element_size(self) -> int:
+        return DTYPES[self.dtype]
+
+    def recomputes(self, module: str) -> bool:
+        return self.recompute == "selective" and module in self.recompute_modules
+
+    @property
+    def recompute_label(self) -> str:
+        if self.recompute == "selective":
+            return "sel:" + "+".join(self.recompute_modules)
+        return self.recompute
+
+    def replace(self, **changes) -> "RunSettings":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> None:
+        """One ValueError line naming the first bad flag."""
+        for name, flag in (("tp", "--tensor-model-parallel-size"),
+                           ("pp", "--pipeline-model-parallel-size"),
+                           ("ep", "--expert-model-parallel-size"), ("dp", "data-parallel size"),
+                           ("micro_batch_size", "--micro-batch-size"),
+                           ("seq_length", "--seq-length"),
+                           ("global_batch_size", "--global-batch-size"),
+                           ("lora_rank", "--lora-rank"), ("devices_per_node", "--devices-per-node")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        if self.recompute not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"--recompute-granularity must be one of "
+                             f"{', '.join(RECOMPUTE_GRANULARITIES)}, got {self.recompute!r}")
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ValueError(f"--recompute-modules: {unknown[0]!r} is not modelled; the planner "
+                             f"knows {', '.join(RECOMPUTE_MODULES)}")
+        if self.recompute == "selective" and not self.recompute_modules:
+            raise ValueError("--recompute-modules must name a module with selective recomputation")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or not self.lora_targets:
+            raise ValueError(f"--lora-target-modules: {unknown[0] if unknown else '(none)'!r} is "
+                             f"not a target; the targets are {', '.join(LORA_TARGETS)}")
+        if not self.moe_imbalance >= 1.0:
+            raise ValueError(f"--moe-imbalance must be >= 1 (max over mean), "
+                             f"got {self.moe_imbalance!r}")
+        if self.global_batch_size % (self.micro_batch_size * self.dp):
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
+                             f"--micro-batch-size {self.micro_batch_size} x data-parallel size "
+                             f"{self.dp}")
+
+    def layout_error(self, shape: ModelShape) -> Optional[str]:
+        """Why Megatron-Core cannot split ``shape`` this way (one line naming the flag), or None."""
+        if shape.num_layers % self.pp:
+            return (f"--pipeline-model-parallel-size {self.pp} does not divide the "
+                    f"{shape.num_layers} layers")
+        for what, count in (("attention heads", shape.heads),
+                            ("query groups", shape.query_groups),
+                            ("FFN width", shape.ffn_hidden), ("vocabulary", shape.vocab),
+                            ("shared-expert FFN width", shape.shared_ffn or self.tp)):
+            if count % self.tp:
+                return f"--tensor-model-parallel-size {self.tp} does not divide the {count} {what}"
+        if shape.experts and shape.experts % self.ep:
+            return (f"--expert-model-parallel-size {self.ep} does not divide the "
+                    f"{shape.experts} experts")
+        if (self.tp * self.dp) % self.ep:
+            return (f"--expert-model-parallel-size {self.ep} must divide the {self.tp * self.dp} "
+                    f"ranks of a pipeline stage (tp x dp)")
+        if self.seq_length % self.tp:
+            return (f"--seq-length {self.seq_length} is not a multiple of "
+                    f"--tensor-model-parallel-size {self.tp} (sequence parallelism)")
+        if self.seq_length > shape.max_sequence_length:
+            return (f"--seq-length {self.seq_length} exceeds the model's "
+                    f"max_sequence_length {shape.max_sequence_length}")
+        return None
+
+    def describe(self) -> str:
+        """``tp8 pp8 ep64 dp8 distopt sel:moe mbs1``."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"ep{self.ep}", f"dp{self.dp}",
+                 "distopt" if self.distributed_optimizer else "opt", self.recompute_label,
+                 f"mbs{self.micro_batch_size}"]
+        return " ".join(parts)
+
+    @classmethod
+    def from_run_config(cls, run: RunConfig, world_size: int, dtype: str,
+                        devices_per_node: Optional[int] = None) -> "RunSettings":
+        """The settings of a fine-tuning run."""
+        parallel = run.parallel
+        tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        granularity = parallel.recompute_granularity or "none"
+        modules = tuple(parallel.recompute_modules or ("core_attn",))
+        return cls(
+            tp=tp, pp=pp, ep=parallel.expert_model_parallel_size, dp=world_size // (tp * pp),
+            distributed_optimizer=parallel.use_distributed_optimizer, recompute=granularity,
+            recompute_modules=modules if granularity == "selective" else ("core_attn",),
+            micro_batch_size=run.schedule.micro_batch_size, seq_length=run.data.seq_length,
+            global_batch_size=run.schedule.global_batch_size, dtype=dtype,
+            lora_rank=run.lora.rank, lora_targets=tuple(run.lora.targets),
+            hierarchical_alltoall=run.moe.hierarchical_alltoall,
+            devices_per_node=devices_per_node or world_size)

@@ -1,0 +1,42 @@
+"""Megatron-Core's parallel state for one process alone (TP = PP = EP = 1): what the tools that
+build a whole model in one process need (parameter census, merge, conversion) and the unit tests."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_single_rank(seed: int = 1234, timeout: timedelta = timedelta(minutes=10)) -> None:
+    """A one-rank process group (on a free port of 127.0.0.1, not MASTER_ADDR/MASTER_PORT, which
+    may belong to a parent job) and Megatron's parallel state without model parallelism, unless
+    they exist already; then they must be a single process without model parallelism."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron_slmoe
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            megatron_slmoe.PLATFORM.backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0, world_size=1, timeout=timeout)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(seed)
+    sizes = {
+        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+        "expert": parallel_state.get_expert_model_parallel_world_size(),
+    }
+    split = {kind: size for kind, size in sizes.items() if size != 1}
+    if split:
+        raise RuntimeError(f"parallel_state is already initialised with model parallelism {split}; "
+                           f"the whole model needs a process without it")

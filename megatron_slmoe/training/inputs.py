@@ -1,0 +1,99 @@
+"""Checks of a run made before any process group forms: by the launcher (``--validate-only``,
+before torchrun) and by every run at start-up. Each problem is one ConfigError line naming the
+flag and the file."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.config.run import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def check_inputs(run: RunConfig, world_size: int, platform) -> None:
+    from megatron_slmoe.model.config import load_model_config
+
+    _check_paths(run)
+    model_config = load_model_config(run.model.config)
+    _check_data(run, model_config)
+    _check_memory(run, world_size, platform, model_config)
+
+
+def _check_paths(run: RunConfig) -> None:
+    model, data = run.model, run.data
+    for flag, path in (("--base-checkpoint", model.base_checkpoint),
+                       ("--adapter-init", model.adapter_init), ("--tokenizer", data.tokenizer)):
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{flag} {path}: no such file or directory")
+    if data.task == "image-text":
+        _check_image_text_paths(run)
+    elif data.format == "instruction":
+        for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: no such file")
+
+
+def _check_image_text_paths(run: RunConfig) -> None:
+    data, vision = run.data, run.vision
+    for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
+        if path and not os.path.isdir(os.path.join(path, ".nv-meta")):
+            raise ConfigError(f"{flag} {path}: not an energon dataset folder (prepare one with "
+                              f"tools/prepare_image_text.py)")
+    if vision.checkpoint:
+        from megatron_slmoe.model.hf_vision import HFImportError, check_hf_vision_checkpoint
+
+        try:
+            check_hf_vision_checkpoint(vision.checkpoint, vision)
+        except HFImportError as err:
+            raise ConfigError(f"--vision-checkpoint {vision.checkpoint}: {err}") from None
+
+
+def _check_data(run: RunConfig, model_config) -> None:
+    """The tokenizer and the sequence length against the model."""
+    from megatron_slmoe.data.assets import asset_path
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+
+    data = run.data
+    if data.seq_length > model_config.max_sequence_length:
+        raise ConfigError(f"--seq-length {data.seq_length} exceeds the model's "
+                          f"max_sequence_length {model_config.max_sequence_length} "
+                          f"({model_config.source})")
+    try:
+        tokenizer = load_tokenizer(data.tokenizer or asset_path("tokenizer.json"))
+    except DataError as err:
+        raise ConfigError(f"--tokenizer: {err}") from None
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ConfigError(f"--tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more "
+                          f"than the model's vocab_size {model_config.vocab_size}")
+
+
+def memory_check(run: RunConfig, world_size: int, platform, model_config):
+    """The memory planner's verdict on this run's layout (a ``plan.check.LayoutCheck``), or None
+    when there is no device memory to plan against (CPU without --device-memory-gb)."""
+    from megatron_slmoe.plan.check import check_layout
+    from megatron_slmoe.plan.settings import RunSettings
+    from megatron_slmoe.training.model_setup import resolve_precision
+
+    memory = (run.parallel.device_memory_gb * 2**30 if run.parallel.device_memory_gb
+              else platform.device_memory_bytes())
+    if memory is None:
+        return None
+    settings = RunSettings.from_run_config(
+        run, world_size, resolve_precision(run.model, platform),
+        devices_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return check_layout(model_config, settings, int(memory))
+
+
+def _check_memory(run: RunConfig, world_size: int, platform, model_config) -> None:
+    if run.parallel.memory_check == "off":
+        return
+    check = memory_check(run, world_size, platform, model_config)
+    if check is None or check.fits:
+        return
+    if run.parallel.memory_check == "refuse":
+        raise ConfigError(f"{check.message} (run anyway: --memory-check warn)")
+    log.warning("memory check: %s", check.message)

@@ -1,0 +1,1 @@
+"""Small shared utilities with no model or training logic."""

@@ -1,0 +1,186 @@
+"""The run configuration tree: every field is reachable from the command line and from YAML, every
+flag maps to a field that package code reads, --print-config fed back as --config gives the same
+configuration, and bad input is one line naming the flag (or the file and key)."""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_slmoe.config.cli import build_parser, build_run_config, parse_command_line, to_yaml
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.config.run import RunConfig, validate_run
+from megatron_slmoe.config.schema import settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A value for every field of the tree, each different from its default, valid together.
+NON_DEFAULT = {
+    "model": {"config": "small", "base_checkpoint": "base/", "adapter_init": "adapter/",
+              "finetune_mode": "lora", "precision": "bf16"},
+    "parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                 "expert_model_parallel_size": 4, "use_distributed_optimizer": True,
+                 "distributed_timeout_minutes": 7, "recompute_granularity": "selective",
+                 "recompute_modules": ["moe", "core_attn"], "memory_check": "warn",
+                 "device_memory_gb": 80.0},
+    "moe": {"token_dispatcher_type": "allgather", "hierarchical_alltoall": True, "node_size": 8,
+            "overlap_chunks": 3},
+    "lora": {"rank": 16, "alpha": 8.0, "dropout": 0.1, "targets": ["router", "latent"],
+             "init_seed": 5},
+    "data": {"task": "image-text", "format": "pretrain", "train_data": "train",
+             "valid_data": "valid", "tokenizer": "tok.json", "seq_length": 256},
+    "vision": {"model_type": "siglip", "img_h": 64, "img_w": 48, "patch_dim": 8,
+               "num_layers": 3, "hidden_size": 96, "num_attention_heads": 6,
+               "ffn_hidden_size": 192, "activation": "gelu_tanh", "layernorm_epsilon": 1e-6,
+               "drop_class_token": False, "projector_type": "affine",
+               "projector_ffn_hidden_size": 64, "image_token_index": -100,
+               "checkpoint": "siglip/"},
+    "image_text": {"max_tiles": 4, "thumbnail": True, "image_mean": [0.5, 0.5, 0.5],
+                   "image_std": [0.25, 0.25, 0.25], "train_vision_tower": False,
+                   "caption_prompt": "<image> Caption:", "eval_answers": 16,
+                   "max_answer_tokens": 4},
+    "optimizer": {"lr": 1e-3, "min_lr": 1e-5, "lr_warmup_iters": 3, "lr_decay_style": "linear",
+                  "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.95, "clip_grad": 0.5},
+    "schedule": {"micro_batch_size": 2, "global_batch_size": 32, "train_iters": 30,
+                 "eval_interval": 5, "eval_iters": 2, "log_interval": 3, "save_interval": 6,
+                 "seed": 7},
+    "monitor": {"window": 9, "starved_fraction": 0.2, "starved_patience": 4,
+                "dominant_fraction": 0.6, "action": "stop", "jsonl_path": "routing.jsonl"},
+    "output": {"output_dir": "out", "tensorboard": False, "keep_last": 3, "resume": False,
+               "save_base": None},
+}
+# save_base and train_vision_tower need --finetune-mode full, which excludes --adapter-init:
+# checked on their own below.
+
+
+def _flags_for(values: dict) -> list[str]:
+    argv = []
+    for section, cls in RunConfig.sections().items():
+        for f in settings(cls):
+            if f.name not in values.get(section, {}):
+                continue
+            value, flag = values[section][f.name], f.metadata["flag"]
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, list):
+                argv += [flag, *map(str, value)]
+            else:
+                argv += [flag, str(value)]
+    return argv
+
+
+def test_the_table_covers_every_field_with_a_non_default_value():
+    defaults = RunConfig().to_dict()
+    for section, cls in RunConfig.sections().items():
+        for f in settings(cls):
+            assert f.name in NON_DEFAULT[section], f"add {section}.{f.name} to NON_DEFAULT"
+            # see test_save_base_is_reachable_too
+            if f.name not in ("save_base", "finetune_mode", "train_vision_tower"):
+                assert NON_DEFAULT[section][f.name] != defaults[section][f.name], (section, f.name)
+
+
+def test_every_field_is_reachable_from_flags_and_from_yaml(tmp_path):
+    from_flags = parse_command_line(_flags_for(NON_DEFAULT), prog="t", description="",
+                                    world_size=0).run
+    assert from_flags.to_dict() == NON_DEFAULT
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(NON_DEFAULT))
+    from_yaml = parse_command_line(["--config", str(path)], prog="t", description="",
+                                   world_size=0).run
+    assert from_yaml == from_flags
+    validate_run(from_flags, world_size=2 * 2 * 4)
+
+
+def test_save_base_is_reachable_too():
+    run = parse_command_line(["--finetune-mode", "full", "--save-base", "b"], prog="t",
+                             description="", world_size=1).run
+    assert (run.output.save_base, run.model.finetune_mode) == ("b", "full")
+    run = parse_command_line(["--finetune-mode", "full", "--train-vision-tower"], prog="t",
+                             description="", world_size=1).run
+    assert run.image_text.train_vision_tower
+    with pytest.raises(ConfigError, match="--train-vision-tower needs --finetune-mode full"):
+        parse_command_line(["--train-vision-tower"], prog="t", description="", world_size=1)
+
+
+def test_flags_win_over_yaml_and_yaml_over_defaults(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lora:\n  rank: 32\n  alpha: 4\nschedule:\n  train_iters: 9\n")
+    run = parse_command_line(["--config", str(path), "--lora-rank", "4"], prog="t",
+                             description="", world_size=0).run
+    assert (run.lora.rank, run.lora.alpha, run.schedule.train_iters) == (4, 4.0, 9)
+    assert run.schedule.global_batch_size == RunConfig().schedule.global_batch_size
+
+
+def test_print_config_fed_back_gives_the_same_configuration(tmp_path, capsys):
+    from megatron_slmoe.training.finetune import main
+
+    assert main([*_flags_for(NON_DEFAULT), "--print-config"]) == 0
+    first = capsys.readouterr().out
+    path = tmp_path / "config.yaml"
+    path.write_text(first)
+    assert main(["--config", str(path), "--print-config"]) == 0
+    assert capsys.readouterr().out == first
+    assert yaml.safe_load(first) == NON_DEFAULT
+    assert to_yaml(build_run_config(yaml.safe_load(first))) == first
+
+
+def test_every_flag_is_unique_and_every_field_is_read_by_package_code():
+    """A flag nothing reads (like the old --exit-after-iters) fails here: each field name must
+    appear as an attribute read somewhere in the package outside megatron_slmoe/config."""
+    parser = build_parser("t", "")
+    flags = [opt for action in parser._actions for opt in action.option_strings]
+    assert len(flags) == len(set(flags))
+    sources = "\n".join(p.read_text() for p in (ROOT / "megatron_slmoe").rglob("*.py")
+                        if "config" not in p.relative_to(ROOT / "megatron_slmoe").parts[:1])
+    unread = [f"{section}.{f.name}" for section, cls in RunConfig.sections().items()
+              for f in settings(cls) if not re.search(rf"\.{f.name}\b", sources)]
+    assert unread == []
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("lora: {rank: 0}\n", "lora.rank: --lora-rank must be an integer in 1..256"),
+    ("lora: {rank: eight}\n", "lora.rank: --lora-rank must be int, got 'eight'"),
+    ("lora: {ranks: 8}\n", "unknown key lora.ranks"),
+    ("loraa: {rank: 8}\n", "unknown section 'loraa'"),
+    ("- rank\n", "expected a mapping of sections"),
+    ("lora: [1]\n", "section 'lora' must be a mapping"),
+    ("lora: {rank: [\n", "not valid YAML"),
+])
+def test_bad_yaml_is_one_line_naming_file_key_or_flag(tmp_path, text, needle):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        parse_command_line(["--config", str(path)], prog="t", description="", world_size=0)
+    message = str(err.value)
+    assert needle in message and "\n" not in message
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size 6"),
+    (["--recompute-modules", "moe"], "--recompute-modules needs --recompute-granularity"),
+    (["--save-base", "x"], "--save-base needs --finetune-mode full"),
+    (["--lr-warmup-iters", "200"], "--lr-warmup-iters 200 must be below --train-iters 200"),
+    (["--moe-token-dispatcher-type", "pigeon"], "moe.token_dispatcher_type"),
+    (["--lora-target-modules", "router", "router"], "names a target twice"),
+])
+def test_bad_flags_are_one_line_naming_the_flag(argv, needle):
+    with pytest.raises(ConfigError) as err:
+        parse_command_line(argv, prog="t", description="", world_size=1)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_command_line_errors_exit_2_with_one_line(capsys):
+    from megatron_slmoe.training.finetune import main
+
+    for argv in (["--lora-rank", "x"], ["--no-such-flag"], ["--lora-rank", "0"]):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argparse's own errors
+            code = exit_.code
+        err = capsys.readouterr().err
+        assert code == 2, argv
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err

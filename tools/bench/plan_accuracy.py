@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Predicted vs measured peak memory per rank of real fine-tuning runs (the planner's accuracy).
+
+Each run is the real training entry point (``megatron_slmoe.training.finetune.main``) under
+``torchrun --nproc-per-node 2`` on the tiny model, in a different layout or setting. Measured: the
+peak bytes of live tensors per rank during each training step (``megatron_slmoe.plan.live_bytes``,
+the CPU stand-in for ``max_memory_allocated``), taken over the steps after the first (when Adam's
+state exists). Predicted: ``megatron_slmoe.plan.estimate_memory`` for the same settings, with the
+CPU framework overhead measured once, in the first run, as the live bytes before a step that are
+not model parameters, buffers, DDP gradient buffers or optimizer state (the data, RNG states,
+Megatron's globals). Prints a table, writes JSON; the goal is within 10% on every run.
+
+    python tools/bench/plan_accuracy.py --json runs/bench/plan_accuracy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# name -> (finetune flags, RunSettings fields). Two ranks each; tiny model, seq 128.
+RUNS = {
+    "ep2": (["--expert-model-parallel-size", "2", "--micro-batch-size", "4"],
+            dict(ep=2, dp=2, micro_batch_size=4)),
+    "ep2-distopt-mbs2": (["--expert-model-parallel-size", "2", "--micro-batch-size", "2",
+                          "--use-distributed-optimizer"],
+                         dict(ep=2, dp=2, micro_batch_size=2, distributed_optimizer=True)),
+    "tp2-ep2": (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                 "--micro-batch-size", "8"],
+                dict(tp=2, ep=2, dp=1, micro_batch_size=8)),
+    "pp2-mbs2": (["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"],
+                 dict(pp=2, dp=1, micro_batch_size=2)),
+    "ep2-sel-attn-moe": (["--expert-model-parallel-size", "2", "--micro-batch-size", "8",
+                          "--recompute-granularity", "selective", "--recompute-modules",
+                          "core_attn", "moe"],
+                         dict(ep=2, dp=2, micro_batch_size=8, recompute="selective",
+                              recompute_modules=("core_attn", "moe"))),
+    "ep2-full-distopt": (["--expert-model-parallel-size", "2", "--micro-batch-size", "8",
+                          "--recompute-granularity", "full", "--use-distributed-optimizer"],
+                         dict(ep=2, dp=2, micro_batch_size=8, recompute="full",
+                              distributed_optimizer=True)),
+    "ep2-bf16": (["--expert-model-parallel-size", "2", "--micro-batch-size", "4", "--bf16"],
+                 dict(ep=2, dp=2, micro_batch_size=4, dtype="bf16")),
+}
+SEQ, GLOBAL_BATCH, ITERS = 128, 16, 3
+
+
+# --- worker: one rank of one run ------------------------------------------------------------------
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None and not t.is_meta:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _held_by_training_state(trainer) -> int:
+    """Bytes of parameters, buffers, DDP buffers and optimizer state (the counted statics)."""
+    import torch
+
+    tensors = list(trainer.model.parameters()) + list(trainer.model.buffers())
+    for buffer in (getattr(trainer.ddp, "buffers", []) +
+                   getattr(trainer.ddp, "expert_parallel_buffers", [])):
+        tensors += [buffer.grad_data, buffer.param_data]
+    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            tensors += list(group["params"])
+        for state in inner.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return _storage_bytes(tensors)
+
+
+def worker(out_dir: str, argv: list[str]) -> None:
+    from megatron_slmoe.plan.live_bytes import LiveTensorBytes
+
+    live = LiveTensorBytes()
+    live.__enter__()  # before anything allocates
+    import torch
+
+    from megatron_slmoe.training import finetune
+
+    steps: list[dict] = []
+    train_step = finetune.Trainer.train_step
+
+    def measured_step(self, consumed):
+        before = live.current
+        held = _held_by_training_state(self) if len(steps) == 1 else None
+        live.reset_peak()
+        result = train_step(self, consumed)
+        steps.append({"before": before, "peak": live.peak, "held_by_state": held})
+        if len(steps) == self.run_config.schedule.train_iters:
+            # Stop here: the end-of-run checkpoint and evaluation are not training steps.
+            torch.distributed.barrier()
+            rank = torch.distributed.get_rank()
+            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                json.dump({"steps": steps}, f)
+            torch.distributed.barrier()
+            os._exit(0)
+        return result
+
+    finetune.Trainer.train_step = measured_step
+    finetune.main(argv)
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+
+def _measure(name: str, flags: list[str], work: str) -> list[dict]:
+    out = os.path.join(work, name)
+    os.makedirs(out, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(29500 + abs(hash(name)) % 1000), os.path.abspath(__file__),
+               "--worker", out, "--",
+               "--model-config", "tiny", "--seq-length", str(SEQ),
+               "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERS),
+               "--lr-warmup-iters", "0", "--eval-iters", "1", "--eval-interval", "1000",
+               "--save-interval", "1000", "--log-interval", "1000", "--no-tensorboard",
+               "--output-dir", os.path.join(out, "run"), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    files = sorted(f for f in os.listdir(out) if f.startswith("rank"))
+    if proc.returncode != 0 or len(files) != 2:
+        raise RuntimeError(f"run {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    ranks = []
+    for file in files:
+        with open(os.path.join(out, file)) as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=list(RUNS))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
+    args = parser.parse_args(argv)
+
+    from megatron_slmoe.plan.devices import DeviceSpec
+    from megatron_slmoe.plan.memory import estimate_memory
+    from megatron_slmoe.plan.model_shape import load_shape
+    from megatron_slmoe.plan.settings import RunSettings
+    from megatron_slmoe.utils.atomic import write_json_atomic
+
+    shape = load_shape("tiny")
+    work = args.work_dir or tempfile.mkdtemp(prefix="plan_accuracy-")
+    measured = {name: _measure(name, RUNS[name][0], work) for name in args.runs}
+    # The CPU framework overhead, measured in the first run: what is live before a step beyond
+    # the training state the memory model counts.
+    first = measured[args.runs[0]]
+    overhead = max(r["steps"][1]["before"] - r["steps"][1]["held_by_state"] for r in first)
+    cpu = DeviceSpec("cpu (live tensor bytes)", memory_bytes=2**40, bf16_tflops=1.0,
+                     intra_node_gbps=1.0, inter_node_gbps=1.0, devices_per_node=2,
+                     framework_overhead=overhead, fragmentation=0.0)
+    rows = []
+    for name in args.runs:
+        fields = {"dtype": "fp32", "seq_length": SEQ, "global_batch_size": GLOBAL_BATCH,
+                  "devices_per_node": 2, "moe_imbalance": 1.25, **RUNS[name][1]}
+        settings = RunSettings(**fields)
+        estimate = estimate_memory(shape, settings, cpu)
+        for rank, result in enumerate(measured[name]):
+            stage = estimate.stages[min(rank // (settings.tp * settings.dp), settings.pp - 1)]
+            peak = max(step["peak"] for step in result["steps"][1:])
+            rows.append({"run": name, "rank": rank, "layout": settings.describe(),
+                         "dtype": settings.dtype, "predicted_bytes": stage.peak,
+                         "measured_bytes": peak,
+                         "relative_error": (stage.peak - peak) / peak,
+                         "predicted_breakdown": stage.breakdown()})
+    print(f"peak live-tensor bytes per rank, tiny model, seq {SEQ}, global batch {GLOBAL_BATCH}, "
+          f"{ITERS} steps, 2 gloo ranks; CPU framework overhead measured {overhead / 2**20:.2f} MiB")
+    print(f"{'run':<20}{'rank':>5}  {'layout':<38}{'dtype':<6}{'predicted MiB':>14}"
+          f"{'measured MiB':>14}{'error':>8}")
+    for row in rows:
+        print(f"{row['run']:<20}{row['rank']:>5}  {row['layout']:<38}{row['dtype']:<6}"
+              f"{row['predicted_bytes'] / 2**20:>14.2f}{row['measured_bytes'] / 2**20:>14.2f}"
+              f"{row['relative_error']:>+8.1%}")
+    worst = max(abs(r["relative_error"]) for r in rows)
+    print(f"worst |error| {worst:.1%} (goal 10%)")
+    if args.json:
+        write_json_atomic(args.json, {"machine": "cpu", "framework_overhead_bytes": overhead,
+                                      "rows": rows, "worst_relative_error": worst})
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[4:] if sys.argv[3:4] == ["--"] else sys.argv[3:])
+    else:
+        sys.exit(main())
