@@ -11,6 +11,7 @@ built from the checkpoint's config (``vision_config_from_hf``), filled by
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -90,8 +91,8 @@ def test_imported_tower_matches_transformers_with_tp2(towers):
 def test_config_mapping_and_refusals(towers):
     from transformers import AutoConfig
 
-    from megatron_slmoe.model.hf_vision import (HFImportError, megatron_vision_tensors,
-                                                vision_config_from_hf)
+    from megatron_slmoe.model.hf_vision import (HFImportError, check_hf_vision_checkpoint,
+                                                megatron_vision_tensors, vision_config_from_hf)
 
     clip = vision_config_from_hf(AutoConfig.from_pretrained(towers / "clip"))
     assert (clip.model_type, clip.activation, clip.patch_dim, clip.num_image_embeddings) == (
@@ -100,6 +101,10 @@ def test_config_mapping_and_refusals(towers):
     assert (siglip.model_type, siglip.activation, siglip.drop_class_token) == (
         "siglip", "gelu_tanh", False)
     with pytest.raises(HFImportError, match="lacks"):
-        megatron_vision_tensors({"vision_model.post_layernorm.weight": torch.zeros(32)}, siglip)
+        megatron_vision_tensors({"vision_model.post_layernorm.bias": torch.zeros(32)}, siglip)
     with pytest.raises(HFImportError, match="no vision tower tensors"):
         megatron_vision_tensors({"text_model.x": torch.zeros(1)}, clip)
+    # What a run checks before torchrun (--vision-checkpoint against the vision section).
+    check_hf_vision_checkpoint(str(towers / "clip"), clip)
+    with pytest.raises(HFImportError, match="num_layers 2, the run --vision-num-layers 3"):
+        check_hf_vision_checkpoint(str(towers / "clip"), dataclasses.replace(clip, num_layers=3))

@@ -5,10 +5,11 @@ dense and an MoE layer: latent projections, shared expert, 4 routed experts), Lo
 model's attention and experts, the vision attention and the projector. One rank saves the base
 weights (a Megatron dist checkpoint); 2-rank runs with TP=2 (sequence parallel), EP=2 (with DP=2),
 PP=2 (vision tower on the first stage) with full recomputation load them, inject the same
-adapter (its initialisation does not depend on the layout) and train 10 steps through Megatron's
+adapter (its initialisation does not depend on the layout) and train 4 steps through Megatron's
 schedule, DDP, finalize_model_grads and Adam. Micro-batches hold 0, 1 or 2 images per sample at
 varying places. Compared with the single rank: every step's loss, every LoRA gradient (gathered
-unsharded by global name) at the first and the last step, and the adapter after 10 steps.
+unsharded by global name) at the first and the last step, and the adapter after the last step.
+(4 steps keep the file within CI's time; with STEPS = 10 it passes at the same tolerances.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from tests.helpers import gpt_case
 from tests.helpers.ranks import run_ranks
 
-STEPS = 10
+STEPS = 4
 SEQ = 32
 VOCAB = 64
 GLOBAL_BATCH = 8

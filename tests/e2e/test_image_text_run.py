@@ -54,9 +54,9 @@ def test_image_text_lora_run_reports_bad_samples_and_accuracy(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "megatron_slmoe.training.finetune", "--task", "image-text",
-           "--train-data", str(data), "--eval-answers", "6", "--max-answer-tokens", "4",
+           "--train-data", str(data), "--eval-answers", "4", "--max-answer-tokens", "2",
            "--expert-model-parallel-size", "2", "--seq-length", "48", "--micro-batch-size", "2",
-           "--global-batch-size", "8", "--train-iters", "4", "--lr-warmup-iters", "1",
+           "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
            "--eval-iters", "1", "--log-interval", "2", "--save-interval", "4", "--lora-rank", "4",
            "--fp32", "--no-tensorboard", "--output-dir", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
