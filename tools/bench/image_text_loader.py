@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from megatron_slmoe.data.image import ImagePreprocessConfig, decode_image, prepr
 from megatron_slmoe.data.image_text import ImageTextDataset, collate_image_text, open_energon_split
 from megatron_slmoe.data.image_text_prepare import ShardRecord, prepare_image_text
 from megatron_slmoe.data.tokenizer import load_tokenizer
+from megatron_slmoe.utils.atomic import write_json_atomic
 
 
 def make_photos(folder: str, count: int, size=(640, 480)) -> str:
@@ -185,12 +185,7 @@ def main(argv=None) -> int:
     print_rows(rows)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        tmp = args.json + ".partial"
-        with open(tmp, "w") as f:
-            json.dump(rows, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, args.json)
+        write_json_atomic(args.json, rows, indent=1)
         print(f"# rows written to {args.json}")
     return 0
 
