@@ -32,6 +32,19 @@ class ModelSection(Section):
     base_checkpoint: Optional[str] = setting(
         None, flag="--base-checkpoint",
         help="Megatron dist checkpoint with the base weights (default: random initialisation)")
+    hf_checkpoint: Optional[str] = setting(
+        None, flag="--hf-checkpoint",
+        help="Hugging Face checkpoint directory (config.json, safetensors shards): the model is "
+             "built from its config.json and each rank reads only its own slices of the weights; "
+             "also the default --tokenizer (instead of --model-config and --base-checkpoint)")
+    hf_shape_check: bool = setting(
+        True, flag="--hf-shape-check",
+        help="with --hf-checkpoint: check every tensor's presence and shape against config.json "
+             "before starting (--no-hf-shape-check: only when a rank reads it)")
+    hf_unmap_mib: int = setting(
+        64, flag="--hf-unmap-mib",
+        help="with --hf-checkpoint: MiB of shard file pages a rank keeps mapped while loading (its "
+             "peak host memory is its shard, one source tensor and this window)")
     adapter_init: Optional[str] = setting(
         None, flag="--adapter-init",
         help="start from this adapter directory instead of fresh LoRA weights")
@@ -48,6 +61,13 @@ class ModelSection(Section):
         self.check(bool(self.config), "config", "must name a model config")
         if self.finetune_mode == "full" and self.adapter_init:
             raise ConfigError("--adapter-init needs --finetune-mode lora")
+        self.check_positive("hf_unmap_mib")
+        if self.hf_checkpoint is not None:
+            self.check(bool(self.hf_checkpoint), "hf_checkpoint", "must be a directory")
+            self.check(not self.base_checkpoint, "hf_checkpoint",
+                       "and --base-checkpoint are exclusive: the base weights come from one of them")
+            self.check(self.config == type(self).config, "hf_checkpoint",
+                       "and --model-config are exclusive: the model is the checkpoint's config.json")
 
 
 @dataclass(frozen=True)
@@ -187,8 +207,11 @@ class DataConfig(Section):
         help="instruction JSONL, an indexed dataset prefix, or an energon dataset folder for "
              "--task image-text (default: the shipped demo data)")
     valid_data: Optional[str] = setting(None, flag="--valid-data", help="held-out data")
-    tokenizer: Optional[str] = setting(None, flag="--tokenizer",
-                                       help="tokenizer.json (default: the shipped one)")
+    tokenizer: Optional[str] = setting(
+        None, flag="--tokenizer",
+        help="tokenizer.json, or a Hugging Face checkpoint directory (tokenizer.json with the "
+             "special tokens and chat template of tokenizer_config.json) (default: the "
+             "--hf-checkpoint's, else the shipped one)")
     seq_length: int = setting(128, flag="--seq-length", help="tokens per sample")
 
     def validate(self) -> None:
@@ -485,6 +508,12 @@ def validate_run(run: RunConfig, world_size: int) -> None:
     if run.output.save_base and run.model.finetune_mode != "full":
         raise ConfigError("--save-base needs --finetune-mode full")
     if run.data.task == "image-text":
+        if run.model.hf_checkpoint:
+            raise ConfigError("--hf-checkpoint loads a language model; with --task image-text "
+                              "start from --base-checkpoint (the tower: --vision-checkpoint)")
+        if run.vision.checkpoint and run.model.base_checkpoint:
+            raise ConfigError("--vision-checkpoint with --base-checkpoint: the base checkpoint of "
+                              "a multimodal model already holds its vision tower")
         run.vision.check_tensor_parallel(tp)
         if run.data.seq_length % tp:
             raise ConfigError(f"--seq-length {run.data.seq_length} must be divisible by "

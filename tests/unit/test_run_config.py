@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A value for every field of the tree, each different from its default, valid together.
 NON_DEFAULT = {
-    "model": {"config": "small", "base_checkpoint": "base/", "adapter_init": "adapter/",
+    "model": {"config": "small", "base_checkpoint": "base/", "hf_checkpoint": None,
+              "hf_shape_check": False, "hf_unmap_mib": 16, "adapter_init": "adapter/",
               "finetune_mode": "lora", "precision": "bf16"},
     "parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                  "expert_model_parallel_size": 4, "use_distributed_optimizer": True,
@@ -50,8 +51,8 @@ NON_DEFAULT = {
     "output": {"output_dir": "out", "tensorboard": False, "keep_last": 3, "resume": False,
                "save_base": None},
 }
-# save_base and train_vision_tower need --finetune-mode full, which excludes --adapter-init:
-# checked on their own below.
+# save_base and train_vision_tower need --finetune-mode full, which excludes --adapter-init;
+# hf_checkpoint excludes --model-config and --base-checkpoint: each checked on its own below.
 
 
 def _flags_for(values: dict) -> list[str]:
@@ -77,8 +78,8 @@ def test_the_table_covers_every_field_with_a_non_default_value():
     for section, cls in RunConfig.sections().items():
         for f in settings(cls):
             assert f.name in NON_DEFAULT[section], f"add {section}.{f.name} to NON_DEFAULT"
-            # see test_save_base_is_reachable_too
-            if f.name not in ("save_base", "finetune_mode", "train_vision_tower"):
+            if f.name not in ("save_base", "finetune_mode", "hf_checkpoint",
+                              "train_vision_tower"):  # see below
                 assert NON_DEFAULT[section][f.name] != defaults[section][f.name], (section, f.name)
 
 
@@ -103,6 +104,12 @@ def test_save_base_is_reachable_too():
     assert run.image_text.train_vision_tower
     with pytest.raises(ConfigError, match="--train-vision-tower needs --finetune-mode full"):
         parse_command_line(["--train-vision-tower"], prog="t", description="", world_size=1)
+
+
+def test_hf_checkpoint_is_reachable_too():
+    run = parse_command_line(["--hf-checkpoint", "hf/", "--no-hf-shape-check"], prog="t",
+                             description="", world_size=1).run
+    assert (run.model.hf_checkpoint, run.model.hf_shape_check) == ("hf/", False)
 
 
 def test_flags_win_over_yaml_and_yaml_over_defaults(tmp_path):
@@ -166,6 +173,11 @@ def test_bad_yaml_is_one_line_naming_file_key_or_flag(tmp_path, text, needle):
     (["--lr-warmup-iters", "200"], "--lr-warmup-iters 200 must be below --train-iters 200"),
     (["--moe-token-dispatcher-type", "pigeon"], "moe.token_dispatcher_type"),
     (["--lora-target-modules", "router", "router"], "names a target twice"),
+    (["--hf-checkpoint", "hf/", "--base-checkpoint", "b/"],
+     "model.hf_checkpoint: --hf-checkpoint and --base-checkpoint are exclusive"),
+    (["--hf-checkpoint", "hf/", "--model-config", "small"],
+     "model.hf_checkpoint: --hf-checkpoint and --model-config are exclusive"),
+    (["--hf-unmap-mib", "0"], "model.hf_unmap_mib: --hf-unmap-mib must be positive"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(argv, needle):
     with pytest.raises(ConfigError) as err:
