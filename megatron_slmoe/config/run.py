@@ -265,7 +265,8 @@ class VisionConfig(Section):
     checkpoint: Optional[str] = setting(
         None, flag="--vision-checkpoint",
         help="Hugging Face CLIP/SigLIP folder (config.json + safetensors) whose vision tower "
-             "replaces the built one's weights; its architecture must match this section")
+             "weights replace the model's (after --base-checkpoint, if any); its architecture "
+             "must match this section")
 
     def validate(self) -> None:
         self.check_positive("img_h", "img_w", "patch_dim", "num_layers", "hidden_size",
@@ -511,9 +512,6 @@ def validate_run(run: RunConfig, world_size: int) -> None:
         if run.model.hf_checkpoint:
             raise ConfigError("--hf-checkpoint loads a language model; with --task image-text "
                               "start from --base-checkpoint (the tower: --vision-checkpoint)")
-        if run.vision.checkpoint and run.model.base_checkpoint:
-            raise ConfigError("--vision-checkpoint with --base-checkpoint: the base checkpoint of "
-                              "a multimodal model already holds its vision tower")
         run.vision.check_tensor_parallel(tp)
         if run.data.seq_length % tp:
             raise ConfigError(f"--seq-length {run.data.seq_length} must be divisible by "

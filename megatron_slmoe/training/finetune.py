@@ -102,6 +102,8 @@ class Trainer:
             initialize=not loads_weights,
             **({"build": self.task.build_model} if self.task else {}))
         model_setup.load_base_weights(model, run.model, hf)
+        if self.task:
+            self.task.load_vision_tower(model)
         self.lora_config = None
         if run.model.finetune_mode == "lora":
             self._inject_lora(model)

@@ -173,21 +173,25 @@ class ImageTextTask:
         self.vision, self.settings = run.vision, run.image_text
 
     def build_model(self, model_config, config, pre_process: bool, post_process: bool):
-        """This rank's multimodal model; the vision tower from ``--vision-checkpoint`` if given,
-        frozen in a full fine-tune unless ``--train-vision-tower``."""
+        """This rank's multimodal model, its vision tower frozen in a full fine-tune unless
+        ``--train-vision-tower``."""
         from megatron_slmoe.model.multimodal import build_multimodal_model
 
         model = build_multimodal_model(model_config, config, self.vision,
                                        seq_length=self.run.data.seq_length,
                                        pre_process=pre_process, post_process=post_process)
-        if self.vision.checkpoint and model.vision_model is not None:
-            from megatron_slmoe.model.hf_vision import load_hf_vision_tower
-
-            load_hf_vision_tower(model, self.vision.checkpoint, self.vision)
         if self.run.model.finetune_mode == "full" and not self.settings.train_vision_tower:
             model.freeze(freeze_language_model=False, freeze_vision_model=True,
                          freeze_vision_projection=False)
         return model
+
+    def load_vision_tower(self, model) -> None:
+        """The tower's weights from ``--vision-checkpoint`` (after the base weights), if given;
+        a pipeline stage without the tower has nothing to load."""
+        if self.vision.checkpoint:
+            from megatron_slmoe.model.hf_vision import load_hf_vision_tower
+
+            load_hf_vision_tower(model, self.vision.checkpoint, self.vision)
 
     def _paths(self, output_dir: str) -> tuple[str, str]:
         """(train dataset, held-out dataset): the flags', else the shapes task made on first use
