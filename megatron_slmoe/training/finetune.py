@@ -82,6 +82,9 @@ class Trainer:
         from megatron_slmoe.training.data_sources import build_sources
 
         run = self.run_config
+        # Tear down at the end only what this trainer sets up (a test's rank pool keeps its own).
+        self._owns_process_group = not torch.distributed.is_initialized()
+        self._owns_model_parallel = not parallel_state.model_parallel_is_initialized()
         model_setup.init_distributed(run.parallel, run.schedule.seed, self.platform)
         self.rank = torch.distributed.get_rank()
         run = self.run_config = self._resolve(run)
@@ -361,8 +364,10 @@ class Trainer:
             self.writer.close()
         from megatron.core import parallel_state
 
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+        if self._owns_model_parallel:
+            parallel_state.destroy_model_parallel()
+        if self._owns_process_group:
+            torch.distributed.destroy_process_group()
         return 0
 
     def _aux_losses(self) -> dict[str, float]:
