@@ -49,7 +49,7 @@ NON_DEFAULT = {
     "monitor": {"window": 9, "starved_fraction": 0.2, "starved_patience": 4,
                 "dominant_fraction": 0.6, "action": "stop", "jsonl_path": "routing.jsonl"},
     "output": {"output_dir": "out", "tensorboard": False, "keep_last": 3, "resume": False,
-               "save_base": None},
+               "save_base": None, "export_hf": None, "export_hf_layout": "fused"},
 }
 # save_base and train_vision_tower need --finetune-mode full, which excludes --adapter-init;
 # hf_checkpoint excludes --model-config and --base-checkpoint: each checked on its own below.
@@ -79,7 +79,7 @@ def test_the_table_covers_every_field_with_a_non_default_value():
         for f in settings(cls):
             assert f.name in NON_DEFAULT[section], f"add {section}.{f.name} to NON_DEFAULT"
             if f.name not in ("save_base", "finetune_mode", "hf_checkpoint",
-                              "train_vision_tower"):  # see below
+                              "train_vision_tower", "export_hf"):  # see below
                 assert NON_DEFAULT[section][f.name] != defaults[section][f.name], (section, f.name)
 
 
@@ -104,6 +104,14 @@ def test_save_base_is_reachable_too():
     assert run.image_text.train_vision_tower
     with pytest.raises(ConfigError, match="--train-vision-tower needs --finetune-mode full"):
         parse_command_line(["--train-vision-tower"], prog="t", description="", world_size=1)
+
+
+def test_export_hf_is_reachable_too():
+    run = parse_command_line(["--hf-checkpoint", "hf/", "--export-hf", "peft/"], prog="t",
+                             description="", world_size=1).run
+    assert run.output.export_hf == "peft/"
+    with pytest.raises(ConfigError, match="--export-hf needs --hf-checkpoint"):
+        parse_command_line(["--export-hf", "peft/"], prog="t", description="", world_size=1)
 
 
 def test_hf_checkpoint_is_reachable_too():
