@@ -227,6 +227,8 @@ setup(
         "psutil",  # Megatron-Core's dist-checkpoint writer reads process memory with it
         "tokenizers",
         "tensorboard",
+        "megatron-energon>=7.4,<8",  # image-text datasets (WebDataset shards + energon metadata)
+        "pillow",  # image decoding (torchvision is not needed)
     ],
     extras_require={
         "gpu": ["transformer-engine"],

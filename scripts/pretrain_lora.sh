@@ -2,6 +2,7 @@
 # The main job: LoRA fine-tuning of a Stable Latent MoE model on Megatron-Core, on one node or many.
 #
 #   bash scripts/pretrain_lora.sh                   # the built-in demo (below)
+#   bash scripts/pretrain_lora.sh --task image-text # the multimodal demo (below)
 #   bash scripts/pretrain_lora.sh [flags...]        # one run of megatron_slmoe.training.finetune
 #   bash scripts/pretrain_lora.sh --dry-run [...]   # print the torchrun command(s) and environment
 #
@@ -35,8 +36,9 @@
 # Settings: the variables of the arrays below (MODEL_CONFIG or HF_CHECKPOINT, TP, EP, LORA_RANK, ...);
 #   unset ones leave the entry point's default, shown in brackets. With no flags at all the demo
 #   runs, on these settings plus its own.
-# Demo only: SLMOE_DEMO_DIR (default runs/demo), SLMOE_DEMO_BASE_ITERS (300),
-#   SLMOE_DEMO_LORA_ITERS (200) — smaller values make a quicker check.
+# Demo only: SLMOE_DEMO_DIR (default runs/demo, runs/demo-image-text for the multimodal demo),
+#   SLMOE_DEMO_BASE_ITERS (300; 600 multimodal), SLMOE_DEMO_LORA_ITERS (200) — smaller values
+#   make a quicker check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/launch.sh
@@ -95,13 +97,18 @@ if [ -n "${NETWORK_PROFILE:-}" ]; then
         ${SLMOE_SYSFS_ROOT:+--sysfs-root "$SLMOE_SYSFS_ROOT"} || exit 2
 fi
 
-# --- the built-in demo's settings (only when no flags were given) ---------------------------------
+# --- the built-in demos' settings (only when no flags, or only --task image-text, were given) -----
 DEMO=0
-if [ ${#EXTRA_ARGS[@]} -eq 0 ]; then
-    DEMO=1
-    : "${MODEL_CONFIG:=tiny}" "${EP:=2}" "${SEQ_LENGTH:=128}" "${MICRO_BATCH_SIZE:=4}"
+case "${EXTRA_ARGS[*]:-}" in
+    "") DEMO=text ;;
+    "--task image-text"|"--task=image-text") DEMO=image-text; EXTRA_ARGS=() ;;
+esac
+if [ "$DEMO" != 0 ]; then
+    : "${MODEL_CONFIG:=tiny}" "${EP:=2}" "${MICRO_BATCH_SIZE:=4}"
     : "${GLOBAL_BATCH_SIZE:=16}" "${LOG_INTERVAL:=25}"
 fi
+[ "$DEMO" = text ] && : "${SEQ_LENGTH:=128}"
+[ "$DEMO" = image-text ] && : "${SEQ_LENGTH:=64}"
 
 # --- settings of the entry point: unset variables keep its default [in brackets] ----------------
 MODEL_ARGS=()
@@ -134,6 +141,7 @@ slmoe_opt_words LORA_ARGS --lora-target-modules "${LORA_TARGET_MODULES:-}"  # [q
 slmoe_opt LORA_ARGS --adapter-init "${ADAPTER_INIT:-}"            # [fresh LoRA weights]
 
 DATA_ARGS=()
+slmoe_opt DATA_ARGS --task "${TASK:-}"                            # text | image-text [text]
 slmoe_opt DATA_ARGS --data-format "${DATA_FORMAT:-}"              # instruction | pretrain [instruction]
 slmoe_opt DATA_ARGS --train-data "${TRAIN_DATA:-}"                # [the shipped demo task]
 slmoe_opt DATA_ARGS --valid-data "${VALID_DATA:-}"
@@ -220,6 +228,34 @@ finetune() {
 if [ "$DEMO" = 0 ]; then
     finetune "${EXTRA_ARGS[@]}"
     exit $?
+fi
+
+# --- the multimodal demo ------------------------------------------------------------------------
+if [ "$DEMO" = image-text ]; then
+    demo=${SLMOE_DEMO_DIR:-runs/demo-image-text}
+    base_iters=${SLMOE_DEMO_BASE_ITERS:-600}
+    lora_iters=${SLMOE_DEMO_LORA_ITERS:-200}
+    if [ ! -d "$demo/data" ] && [ "$DRY_RUN" = 0 ]; then
+        echo "[demo] generating the synthetic shapes task -> $demo/data"
+        python -m megatron_slmoe.data.shapes --out "$demo/data" >/dev/null
+    fi
+    if [ ! -f "$demo/base/metadata.json" ]; then
+        echo "[demo] pretraining the tiny vision + language base on captions -> $demo/base"
+        finetune --task image-text --finetune-mode full --train-data "$demo/data/captions" \
+            --train-iters "$base_iters" --lr 3e-3 --lr-warmup-iters 10 \
+            --eval-interval "$base_iters" --save-interval "$base_iters" \
+            --output-dir "$demo/base-run" --no-resume --save-base "$demo/base"
+    else
+        echo "[demo] reusing the base model in $demo/base"
+    fi
+    run="$demo/lora-$(date +%Y%m%d-%H%M%S)"
+    echo "[demo] LoRA fine-tuning on the shapes questions -> $run"
+    finetune --task image-text --base-checkpoint "$demo/base" --train-data "$demo/data/vqa" \
+        --train-iters "$lora_iters" --lr 2e-3 --lr-warmup-iters 10 --lora-rank 8 \
+        --lora-alpha 16 --eval-interval "$lora_iters" --save-interval "$lora_iters" \
+        --output-dir "$run"
+    [ "$DRY_RUN" = 1 ] || echo "[demo] done: $run/summary.json (accuracy_before, accuracy_after), adapter in $run/adapter"
+    exit 0
 fi
 
 # --- the built-in demo ---------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def _add_flag(group, section: str, f, hint: Any) -> None:
     dest = f"{section}.{f.name}"
     default = f.default_factory() if callable(f.default_factory) else f.default
     text = f.metadata["help"]
-    shown = " ".join(default) if isinstance(default, (list, tuple)) else default
+    shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
     kwargs: dict[str, Any] = {"dest": dest,
                               "help": text if default is None else f"{text} [default: {shown}]"}
     if hint is bool or (is_optional(hint) and scalar_type(hint) is bool):

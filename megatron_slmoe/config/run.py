@@ -198,14 +198,20 @@ class DataConfig(Section):
 
     section_name = "data"
 
+    task: Literal["text", "image-text"] = setting(
+        "text", flag="--task",
+        help="image-text: the multimodal model (a vision tower and projector before this language "
+             "model, see the vision and image_text sections) on energon image-text datasets "
+             "(default data: the synthetic shapes task; captions with --data-format pretrain)")
     format: Literal["instruction", "pretrain"] = setting(
         "instruction", flag="--data-format",
         help="instruction JSON lines, or a Megatron indexed dataset for pretraining")
     train_data: Optional[str] = setting(
         None, flag="--train-data",
-        help="instruction JSONL, or an indexed dataset prefix (default: the shipped demo data); "
-             "also an s3:// / msc:// URL, where one ending in '/' means every *.jsonl (or every "
-             "*.idx/*.bin pair) under it, in key order")
+        help="instruction JSONL, an indexed dataset prefix, or an energon dataset folder for "
+             "--task image-text (default: the shipped demo data); instruction and pretraining "
+             "data may be an s3:// / msc:// URL, where one ending in '/' means every *.jsonl (or "
+             "every *.idx/*.bin pair) under it, in key order")
     valid_data: Optional[str] = setting(None, flag="--valid-data",
                                         help="held-out data (a path or URL, as --train-data)")
     tokenizer: Optional[str] = setting(
@@ -218,6 +224,135 @@ class DataConfig(Section):
     def validate(self) -> None:
         self.check_positive("seq_length")
         check_locations(self, "train_data", "valid_data", "tokenizer")
+
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGE_TOKEN = "<image>"
+"""Where an image goes in the text of an image-text sample."""
+
+
+@dataclass(frozen=True)
+class VisionConfig(Section):
+    """The vision tower and projector of --task image-text (the defaults: the CPU demo's)."""
+
+    section_name = "vision"
+
+    model_type: Literal["clip", "siglip"] = setting(
+        "clip", flag="--vision-model-type",
+        help="clip (class token, ln_pre) or siglip (no class token, ln_post)")
+    img_h: int = setting(32, flag="--img-h",
+                         help="image (tile) height in pixels; a multiple of --patch-dim")
+    img_w: int = setting(32, flag="--img-w",
+                         help="image (tile) width in pixels; a multiple of --patch-dim")
+    patch_dim: int = setting(16, flag="--patch-dim",
+                             help="side of the square patches the tower embeds")
+    num_layers: int = setting(2, flag="--vision-num-layers", help="ViT transformer layers")
+    hidden_size: int = setting(64, flag="--vision-hidden-size", help="ViT width")
+    num_attention_heads: int = setting(4, flag="--vision-num-attention-heads",
+                                       help="ViT attention heads (divisible by TP)")
+    ffn_hidden_size: int = setting(128, flag="--vision-ffn-hidden-size",
+                                   help="ViT MLP width (divisible by TP)")
+    activation: Literal["quick_gelu", "gelu", "gelu_tanh"] = setting(
+        "quick_gelu", flag="--vision-activation",
+        help="ViT MLP activation: quick_gelu (OpenAI CLIP), gelu, gelu_tanh (SigLIP)")
+    layernorm_epsilon: float = setting(1e-5, flag="--vision-layernorm-epsilon",
+                                       help="epsilon of the ViT LayerNorms")
+    drop_class_token: bool = setting(
+        True, flag="--vision-drop-class-token",
+        help="drop the class token before the projector (LLaVA's choice; clip only)")
+    projector_type: Literal["mlp", "affine"] = setting(
+        "mlp", flag="--vision-projection-type",
+        help="mlp (fc1 -> GELU -> fc2) or affine (one linear)")
+    projector_ffn_hidden_size: int = setting(
+        128, flag="--vision-projection-ffn-hidden-size",
+        help="inner width of the mlp projector (divisible by TP)")
+    image_token_index: int = setting(
+        -200, flag="--image-token-index",
+        help="token id that marks where an image goes (negative: outside every vocabulary)")
+    checkpoint: Optional[str] = setting(
+        None, flag="--vision-checkpoint",
+        help="Hugging Face CLIP/SigLIP folder (config.json + safetensors) whose vision tower "
+             "weights replace the model's (after --base-checkpoint, if any); its architecture "
+             "must match this section")
+
+    def validate(self) -> None:
+        self.check_positive("img_h", "img_w", "patch_dim", "num_layers", "hidden_size",
+                            "num_attention_heads", "ffn_hidden_size",
+                            "projector_ffn_hidden_size", "layernorm_epsilon")
+        for name in ("img_h", "img_w"):
+            self.check(getattr(self, name) % self.patch_dim == 0, name,
+                       f"must be a multiple of --patch-dim {self.patch_dim}, got "
+                       f"{getattr(self, name)}")
+        self.check(self.hidden_size % self.num_attention_heads == 0, "num_attention_heads",
+                   f"must divide --vision-hidden-size {self.hidden_size}, got "
+                   f"{self.num_attention_heads}")
+        self.check(not (self.model_type == "siglip" and self.drop_class_token), "drop_class_token",
+                   "must be off for siglip (it has no class token): --no-vision-drop-class-token")
+        self.check(self.image_token_index < 0, "image_token_index",
+                   f"must be negative (outside every vocabulary), got {self.image_token_index}")
+        self.check(self.checkpoint is None or bool(self.checkpoint), "checkpoint",
+                   "must be a non-empty path")
+
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        """The tower and projector split heads and MLP columns over the TP ranks."""
+        for name in ("num_attention_heads", "ffn_hidden_size", "projector_ffn_hidden_size"):
+            self.check(getattr(self, name) % tensor_parallel == 0, name,
+                       f"must be divisible by --tensor-model-parallel-size {tensor_parallel}, "
+                       f"got {getattr(self, name)}")
+
+    @property
+    def class_token_len(self) -> int:
+        return 1 if self.model_type == "clip" else 0
+
+    @property
+    def num_image_embeddings(self) -> int:
+        """Language-model positions one image tile occupies."""
+        patches = (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
+        return patches + (0 if self.drop_class_token else self.class_token_len)
+
+
+@dataclass(frozen=True)
+class ImageTextConfig(Section):
+    """Images and evaluation of --task image-text."""
+
+    section_name = "image_text"
+
+    max_tiles: int = setting(1, flag="--max-num-tiles",
+                             help="tiles per image (1: the whole image resized; more: tiled by "
+                                  "aspect ratio)")
+    thumbnail: bool = setting(False, flag="--use-thumbnail",
+                              help="with tiling, add the whole image as one more tile")
+    image_mean: list[float] = setting(default_factory=lambda: list(CLIP_MEAN),
+                                      flag="--image-mean",
+                                      help="per-channel normalisation mean (3 numbers)")
+    image_std: list[float] = setting(default_factory=lambda: list(CLIP_STD), flag="--image-std",
+                                     help="per-channel normalisation standard deviation")
+    train_vision_tower: bool = setting(
+        False, flag="--train-vision-tower",
+        help="with --finetune-mode full, train the vision tower too (by default it stays as "
+             "built or loaded, as in LLaVA's recipes; the projector and language model train)")
+    caption_prompt: str = setting(f"{IMAGE_TOKEN}\nDescribe the image.", flag="--caption-prompt",
+                                  help="the user turn of captioning samples")
+    eval_answers: int = setting(
+        128, flag="--eval-answers",
+        help="held-out prompts answered by greedy generation for the exact-match answer "
+             "accuracy before and after training (0: none)")
+    max_answer_tokens: int = setting(8, flag="--max-answer-tokens",
+                                     help="most tokens generated per answer")
+
+    def validate(self) -> None:
+        self.check_positive("max_tiles", "max_answer_tokens")
+        self.check_non_negative("eval_answers")
+        self.check(not self.thumbnail or self.max_tiles > 1, "thumbnail",
+                   "needs --max-num-tiles > 1")
+        for name in ("image_mean", "image_std"):
+            self.check(len(getattr(self, name)) == 3, name,
+                       f"must be 3 numbers (R G B), got {getattr(self, name)}")
+        self.check(min(self.image_std) > 0, "image_std",
+                   f"must be positive, got {self.image_std}")
+        self.check(IMAGE_TOKEN in self.caption_prompt, "caption_prompt",
+                   f"must contain {IMAGE_TOKEN}, got {self.caption_prompt!r}")
 
 
 @dataclass(frozen=True)
@@ -419,6 +554,8 @@ class RunConfig:
     moe: MoERunConfig = field(default_factory=MoERunConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    image_text: ImageTextConfig = field(default_factory=ImageTextConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -461,3 +598,15 @@ def validate_run(run: RunConfig, world_size: int) -> None:
         raise ConfigError("--export-hf needs --hf-checkpoint and --finetune-mode lora")
     if run.output.save_base and run.model.finetune_mode != "full":
         raise ConfigError("--save-base needs --finetune-mode full")
+    if run.data.task == "image-text":
+        if run.model.hf_checkpoint:
+            raise ConfigError("--hf-checkpoint loads a language model; with --task image-text "
+                              "start from --base-checkpoint (the tower: --vision-checkpoint)")
+        run.vision.check_tensor_parallel(tp)
+        if run.data.seq_length % tp:
+            raise ConfigError(f"--seq-length {run.data.seq_length} must be divisible by "
+                              f"--tensor-model-parallel-size {tp} (the image-text sequence is "
+                              f"split over the tensor-parallel ranks)")
+    if run.image_text.train_vision_tower and run.model.finetune_mode != "full":
+        raise ConfigError("--train-vision-tower needs --finetune-mode full (LoRA adapts the "
+                          "tower with --lora-target-modules vision_attention)")

@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_slmoe.config.run import LoRAConfig
 from megatron_slmoe.lora.base import is_lora_module
-from megatron_slmoe.lora.targets import TARGETS, LoRATargetError, adapt, kind_of
+from megatron_slmoe.lora.targets import TARGETS, LoRATargetError, adapt, kind_of, regions
 
 ModelChunks = Union[torch.nn.Module, Iterable[torch.nn.Module]]
 
@@ -79,9 +79,11 @@ def _candidates(chunks: list[torch.nn.Module]):
     """Every (chunk index, parent, attr, child, local name, module kind) that LoRA could adapt."""
     found = []
     for index, chunk in enumerate(chunks):
+        region_of = regions(chunk)
         for parent_name, parent in chunk.named_modules():
+            region = region_of.get(id(parent), "language")
             for attr, child in parent.named_children():
-                kind = kind_of(parent, attr, child)
+                kind = kind_of(parent, attr, child, region)
                 if kind is not None:
                     name = f"{parent_name}.{attr}" if parent_name else attr
                     found.append((index, parent, attr, child, name, kind))
@@ -113,7 +115,9 @@ def _check_targets(lora_config: LoRAConfig, counts: dict[str, int]) -> None:
 
 
 def _keep_input_grad(chunk: torch.nn.Module) -> None:
-    embedding = getattr(chunk, "embedding", None)
+    # A multimodal model's text embedding is its language model's.
+    embedding = getattr(chunk, "embedding", None) or getattr(
+        getattr(chunk, "language_model", None), "embedding", None)
     config = getattr(chunk, "config", None)
     if embedding is None or getattr(config, "recompute_granularity", None) is None:
         return

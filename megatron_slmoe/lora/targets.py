@@ -10,7 +10,17 @@ name adapts, and how. A new target is one ``ModuleKind`` entry here.
 ``shared_experts`` ``mlp.shared_experts.linear_fc1`` and ``.linear_fc2``
 ``router``         ``mlp.router`` (gating linear)
 ``latent``         ``mlp.latent_down`` and ``mlp.latent_up``
+``vision_attention`` multimodal models: the vision tower's ``self_attention.linear_qkv`` and
+                   ``.linear_proj``
+``projector``      multimodal models: the vision projector's ``linear_fc1`` / ``linear_fc2``
+                   (or its one affine linear)
 =================  ==========================================================================
+
+**Regions.** A multimodal model (Megatron's LLaVAModel) holds a vision tower (``vision_model``) and
+a projector (``vision_projection``) beside its language model. Every kind belongs to one region,
+and a module is matched only by the kinds of the region it sits in, so the language-model targets
+never adapt the tower (its attention also has ``linear_qkv``) and the vision targets never adapt
+the language model.
 """
 
 from __future__ import annotations
@@ -41,9 +51,16 @@ Adapter = Callable[[torch.nn.Module, torch.nn.Module, str, LoRAConfig, str, set]
 """adapt(child, parent, attr, lora_config, global name, wanted targets) -> the LoRA module."""
 
 
+REGIONS = ("language", "vision", "projector")
+"""Where a module sits: the (language) model, a multimodal model's vision tower or its projector."""
+
+# LLaVAModel's attribute -> the region of every module under it.
+_REGION_ROOTS = {"vision_model": "vision", "vision_projection": "projector"}
+
+
 @dataclass(frozen=True)
 class ModuleKind:
-    """A kind of module LoRA can adapt, found as ``parent.<attr>``."""
+    """A kind of module LoRA can adapt, found as ``parent.<attr>`` in ``region``."""
 
     name: str
     targets: tuple[str, ...]
@@ -51,6 +68,7 @@ class ModuleKind:
     matches: Callable[[torch.nn.Module, str, torch.nn.Module], bool]
     """matches(parent, attr, child)."""
     adapt: Adapter
+    region: str = "language"
 
 
 def _linear(child, parent, attr, lora_config, name, wanted):
@@ -102,14 +120,37 @@ MODULE_KINDS: tuple[ModuleKind, ...] = (
                and isinstance(child, LatentProjection),
                lambda child, parent, attr, lora_config, name, wanted:
                LoRALatentProjection.from_base(child, lora_config, name)),
+    ModuleKind("vision_attention_qkv", ("vision_attention",), _attention("linear_qkv"), _linear,
+               region="vision"),
+    ModuleKind("vision_attention_proj", ("vision_attention",), _attention("linear_proj"),
+               _linear, region="vision"),
+    ModuleKind("projector_linear", ("projector",),
+               lambda parent, attr, child: isinstance(child, (ColumnParallelLinear,
+                                                              RowParallelLinear)),
+               _linear, region="projector"),
 )
 
 TARGETS: tuple[str, ...] = tuple(dict.fromkeys(t for kind in MODULE_KINDS for t in kind.targets))
 """The LoRA target names, in the order messages list them."""
 
 
-def kind_of(parent: torch.nn.Module, attr: str, child: torch.nn.Module) -> ModuleKind | None:
-    return next((kind for kind in MODULE_KINDS if kind.matches(parent, attr, child)), None)
+def regions(chunk: torch.nn.Module) -> dict[int, str]:
+    """id -> region of every module of ``chunk`` outside the language region (see the module
+    doc); modules not listed are in the language region."""
+    found: dict[int, str] = {}
+    for module in chunk.modules():
+        for attr, region in _REGION_ROOTS.items():
+            root = getattr(module, attr, None)
+            if isinstance(root, torch.nn.Module):
+                found.update((id(m), region) for m in root.modules())
+    return found
+
+
+def kind_of(parent: torch.nn.Module, attr: str, child: torch.nn.Module,
+            region: str = "language") -> ModuleKind | None:
+    """The kind of ``parent.<attr>`` when ``parent`` sits in ``region``, or None."""
+    return next((kind for kind in MODULE_KINDS
+                 if kind.region == region and kind.matches(parent, attr, child)), None)
 
 
 def adapt(kind: ModuleKind, child, parent, attr: str, lora_config: LoRAConfig, name: str,

@@ -94,6 +94,9 @@ class Trainer:
         from megatron_slmoe.training.data_sources import build_sources
 
         run = self.run_config
+        # Tear down at the end only what this trainer sets up (a test's rank pool keeps its own).
+        self._owns_process_group = not torch.distributed.is_initialized()
+        self._owns_model_parallel = not parallel_state.model_parallel_is_initialized()
         model_setup.init_distributed(run.parallel, run.schedule.seed, self.platform)
         self.rank = torch.distributed.get_rank()
         run = self.run_config = self._resolve(run)
@@ -107,13 +110,22 @@ class Trainer:
             model_config, run.moe, run.model.finetune_mode,
             run.parallel.distributed_timeout_minutes)
         self.bf16 = run.model.precision == "bf16"
+        self.task = None
+        if run.data.task == "image-text":
+            from megatron_slmoe.training.image_text import ImageTextTask
+
+            self.task = ImageTextTask(run)
         loads_weights = bool(run.model.base_checkpoint or run.model.hf_checkpoint)
-        model, self.config = model_setup.build_model(self.model_config, run.parallel, self.bf16,
-                                                     self.platform, initialize=not loads_weights)
+        model, self.config = model_setup.build_model(
+            self.model_config, run.parallel, self.bf16, self.platform,
+            initialize=not loads_weights,
+            **({"build": self.task.build_model} if self.task else {}))
         # A stored --base-checkpoint is read from the node's copy (config.yaml keeps the URL).
         local_base = run.replace("model", base_checkpoint=self.storage.local_dir(
             run.model.base_checkpoint)).model if run.model.base_checkpoint else run.model
         model_setup.load_base_weights(model, local_base, hf)
+        if self.task:
+            self.task.load_vision_tower(model)
         self.lora_config = None
         if run.model.finetune_mode == "lora":
             self._inject_lora(model)
@@ -125,8 +137,12 @@ class Trainer:
 
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.train, self.valid, self.tokenizer = build_sources(run.data, run.schedule,
-                                                               self.output_dir, self.storage)
+        if self.task:
+            self.train, self.valid, self.tokenizer = self.task.datasets(self.model_config,
+                                                                        self.output_dir)
+        else:
+            self.train, self.valid, self.tokenizer = build_sources(run.data, run.schedule,
+                                                                   self.output_dir, self.storage)
         self._num_microbatches = run.schedule.global_batch_size // (
             run.schedule.micro_batch_size * self.dp_size)
         self.writer = None
@@ -201,6 +217,10 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------
 
     def _forward_step(self, data_iterator, model):
+        if self.task:
+            from megatron_slmoe.training.image_text import forward_step
+
+            return forward_step(self.platform.device(), data_iterator, model)
         batch = {k: v.to(self.platform.device()) for k, v in next(data_iterator).items()}
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         return output, partial(_masked_mean_loss, batch["loss_mask"])
@@ -211,7 +231,8 @@ class Trainer:
 
         schedule = self.run_config.schedule
         window = range(start, start + schedule.global_batch_size)
-        return [collate([dataset[i % len(dataset)] for i in part])
+        collate_fn = self.task.collate if self.task else collate
+        return [collate_fn([dataset[i % len(dataset)] for i in part])
                 for part in micro_batches(window, schedule.micro_batch_size, self.dp_rank,
                                           self.dp_size)]
 
@@ -288,10 +309,12 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
             iteration, consumed = state["iteration"], state["consumed_samples"]
             eval_before = state.get("eval_loss_before")
+            self.accuracy_before = state.get("accuracy_before")
             self._info(f"[finetune] resumed from {resume_from} at iteration {iteration}")
         if eval_before is None:
             eval_before = self.evaluate()
             self._info(f"[finetune] held-out loss before training: {eval_before:.4f}")
+            self.accuracy_before = self._answer_accuracy("before training")
 
         tokens_per_step = schedule.global_batch_size * self.run_config.data.seq_length
         self.collapse_warnings = 0
@@ -311,6 +334,8 @@ class Trainer:
                 eval_loss = self.evaluate()
                 record["eval_loss"] = eval_loss
             if iteration % schedule.log_interval == 0 or last:
+                if self.task:
+                    record["bad_samples"] = self.task.bad_samples()
                 elapsed = time.time() - window_start
                 record["tokens_per_s"] = tokens_per_step * window_steps / max(elapsed, 1e-9)
                 record["memory_bytes"] = _peak_memory(self.platform)
@@ -327,7 +352,8 @@ class Trainer:
                 saved = checkpointing.save_checkpoint(
                     ckpt_root, iteration, [self.model], self.optimizer,
                     {"consumed_samples": consumed, "scheduler": self.scheduler.state_dict(),
-                     "eval_loss_before": eval_before}, output.keep_last)
+                     "eval_loss_before": eval_before,
+                     "accuracy_before": self.accuracy_before}, output.keep_last)
                 if self.mirror is not None:
                     self.mirror.submit_checkpoint(saved)
         return self._finish(eval_before, eval_loss, iteration)
@@ -348,6 +374,19 @@ class Trainer:
         torch.distributed.broadcast_object_list(restored, src=0)
         return restored[0] or local
 
+    def _answer_accuracy(self, when: str) -> Optional[float]:
+        """Held-out exact-match answer accuracy of an image-text run (None otherwise);
+        collective."""
+        if not self.task:
+            return None
+        accuracy, shown = self.task.answer_accuracy(
+            self.ddp, self.run_config.schedule.micro_batch_size, self.platform.device())
+        if accuracy is not None:
+            self._info(f"[finetune] held-out answer accuracy {when}: {accuracy:.3f}")
+            for prompt, answer, reference in shown:
+                self._info(f"[finetune]   {prompt!r} -> {answer!r} (reference {reference!r})")
+        return accuracy
+
     def _export_hf(self, adapter_dir: str) -> None:
         """--export-hf: rank 0 writes the saved adapter as a PEFT adapter of the HF base (no
         collective inside: the adapter file is layout independent); every rank raises its error."""
@@ -367,6 +406,8 @@ class Trainer:
             raise RuntimeError(status[0])
 
     def _finish(self, eval_before: float, eval_after: float, iteration: int) -> int:
+        accuracy_after = self._answer_accuracy("after training")
+        bad_samples = self.task.bad_samples() if self.task else None
         adapter_dir = None
         if self.lora_config is not None:
             from megatron_slmoe.lora.adapter import save_adapter
@@ -394,6 +435,9 @@ class Trainer:
                        "expert_load_last_step": load, "collapse_warnings": self.collapse_warnings,
                        "node_cache": self.storage.cache.stats.as_dict()
                        if self.storage.cache_in_use else None}
+            if self.task:
+                summary.update(task="image-text", accuracy_before=self.accuracy_before,
+                               accuracy_after=accuracy_after, bad_samples=bad_samples)
             write_json_atomic(os.path.join(self.output_dir, "summary.json"),
                               redact_mapping(summary))
             if self.mirror is not None:
@@ -405,13 +449,20 @@ class Trainer:
                        f"{self.collapse_warnings} collapse warnings")
             if adapter_dir:
                 self._info(f"[finetune] adapter: {adapter_dir}")
+            if self.task and accuracy_after is not None:
+                before = "n/a" if self.accuracy_before is None else f"{self.accuracy_before:.3f}"
+                self._info(f"[finetune] held-out answer accuracy {before} -> "
+                           f"{accuracy_after:.3f}; bad samples skipped: "
+                           f"{sum(bad_samples.values())} {bad_samples}")
             self._info(f"[finetune] held-out loss {eval_before:.4f} -> {eval_after:.4f}; "
                        f"summary in {os.path.join(self.output_dir, 'summary.json')}")
             self.writer.close()
         from megatron.core import parallel_state
 
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+        if self._owns_model_parallel:
+            parallel_state.destroy_model_parallel()
+        if self._owns_process_group:
+            torch.distributed.destroy_process_group()
         return 0
 
     def _upload_outputs(self, adapter_dir: Optional[str]) -> None:

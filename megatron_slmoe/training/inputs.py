@@ -58,7 +58,9 @@ def _check_paths(run: RunConfig) -> None:
         if is_peft_adapter(model.adapter_init):
             raise ConfigError(f"--adapter-init {model.adapter_init} is a PEFT adapter; it needs "
                               f"--hf-checkpoint (the HF base it was trained on)")
-    if data.format == "instruction":
+    if data.task == "image-text":
+        _check_image_text_paths(run)
+    elif data.format == "instruction":
         for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
             if path and not is_object_url(path) and not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file")
@@ -104,6 +106,21 @@ def _check_object_storage(run: RunConfig) -> None:
             check(store, parse_url(url))
         except StorageError as err:
             raise ConfigError(f"{flag}: {err}") from None
+
+
+def _check_image_text_paths(run: RunConfig) -> None:
+    data, vision = run.data, run.vision
+    for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
+        if path and not os.path.isdir(os.path.join(path, ".nv-meta")):
+            raise ConfigError(f"{flag} {path}: not an energon dataset folder (prepare one with "
+                              f"tools/prepare_image_text.py)")
+    if vision.checkpoint:
+        from megatron_slmoe.model.hf_vision import HFImportError, check_hf_vision_checkpoint
+
+        try:
+            check_hf_vision_checkpoint(vision.checkpoint, vision)
+        except HFImportError as err:
+            raise ConfigError(f"--vision-checkpoint {vision.checkpoint}: {err}") from None
 
 
 def _check_data(run: RunConfig, model_config) -> None:

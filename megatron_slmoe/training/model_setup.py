@@ -93,14 +93,15 @@ def open_model(model: ModelSection, check_shapes: bool = False):
 
 
 def build_model(model_config: ModelConfig, parallel: ParallelConfig, bf16: bool, platform,
-                initialize: bool = True):
+                initialize: bool = True, build=build_gpt_model):
     """This rank's pipeline stage of the model, on the platform's device (``initialize=False``:
-    no random weights, for a model whose every weight is about to be loaded)."""
+    no random weights, for a model whose every weight is about to be loaded). ``build(model_config,
+    transformer_config, pre_process, post_process)`` makes it (default: the Stable Latent MoE
+    GPTModel; an image-text run passes the multimodal model's builder)."""
     config = run_transformer_config(model_config, parallel, bf16,
                                     perform_initialization=initialize)
-    model = build_gpt_model(model_config, config,
-                            pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=parallel_state.is_pipeline_last_stage())
+    model = build(model_config, config, pre_process=parallel_state.is_pipeline_first_stage(),
+                  post_process=parallel_state.is_pipeline_last_stage())
     model.to(platform.device())
     return model, config
 

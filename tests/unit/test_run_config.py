@@ -29,8 +29,18 @@ NON_DEFAULT = {
             "overlap_chunks": 3},
     "lora": {"rank": 16, "alpha": 8.0, "dropout": 0.1, "targets": ["router", "latent"],
              "init_seed": 5},
-    "data": {"format": "pretrain", "train_data": "train", "valid_data": "valid",
-             "tokenizer": "tok.json", "seq_length": 256},
+    "data": {"task": "image-text", "format": "pretrain", "train_data": "train",
+             "valid_data": "valid", "tokenizer": "tok.json", "seq_length": 256},
+    "vision": {"model_type": "siglip", "img_h": 64, "img_w": 48, "patch_dim": 8,
+               "num_layers": 3, "hidden_size": 96, "num_attention_heads": 6,
+               "ffn_hidden_size": 192, "activation": "gelu_tanh", "layernorm_epsilon": 1e-6,
+               "drop_class_token": False, "projector_type": "affine",
+               "projector_ffn_hidden_size": 64, "image_token_index": -100,
+               "checkpoint": "siglip/"},
+    "image_text": {"max_tiles": 4, "thumbnail": True, "image_mean": [0.5, 0.5, 0.5],
+                   "image_std": [0.25, 0.25, 0.25], "train_vision_tower": False,
+                   "caption_prompt": "<image> Caption:", "eval_answers": 16,
+                   "max_answer_tokens": 4},
     "optimizer": {"lr": 1e-3, "min_lr": 1e-5, "lr_warmup_iters": 3, "lr_decay_style": "linear",
                   "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.95, "clip_grad": 0.5},
     "schedule": {"micro_batch_size": 2, "global_batch_size": 32, "train_iters": 30,
@@ -45,8 +55,8 @@ NON_DEFAULT = {
                 "prefetch_shards": 4, "retry_timeout_seconds": 120.0,
                 "retry_backoff_seconds": 0.25, "preflight_timeout_seconds": 5.0},
 }
-# save_base needs --finetune-mode full, which excludes --adapter-init; hf_checkpoint excludes
-# --model-config and --base-checkpoint: each checked on its own below.
+# save_base and train_vision_tower need --finetune-mode full, which excludes --adapter-init;
+# hf_checkpoint excludes --model-config and --base-checkpoint: each checked on its own below.
 
 
 def _flags_for(values: dict) -> list[str]:
@@ -73,7 +83,7 @@ def test_the_table_covers_every_field_with_a_non_default_value():
         for f in settings(cls):
             assert f.name in NON_DEFAULT[section], f"add {section}.{f.name} to NON_DEFAULT"
             if f.name not in ("save_base", "finetune_mode", "hf_checkpoint",
-                              "export_hf"):  # see below
+                              "train_vision_tower", "export_hf"):  # see below
                 assert NON_DEFAULT[section][f.name] != defaults[section][f.name], (section, f.name)
 
 
@@ -93,6 +103,11 @@ def test_save_base_is_reachable_too():
     run = parse_command_line(["--finetune-mode", "full", "--save-base", "b"], prog="t",
                              description="", world_size=1).run
     assert (run.output.save_base, run.model.finetune_mode) == ("b", "full")
+    run = parse_command_line(["--finetune-mode", "full", "--train-vision-tower"], prog="t",
+                             description="", world_size=1).run
+    assert run.image_text.train_vision_tower
+    with pytest.raises(ConfigError, match="--train-vision-tower needs --finetune-mode full"):
+        parse_command_line(["--train-vision-tower"], prog="t", description="", world_size=1)
 
 
 def test_export_hf_is_reachable_too():

@@ -314,6 +314,7 @@ def _register_megatron(registry: PatchRegistry) -> None:
         f"{fusions}.fused_bias_swiglu.bias_swiglu_back",
         f"{fusions}.fused_bias_swiglu.weighted_swiglu_back",
         "megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias",
+        "megatron.core.activations.quick_gelu",
     ):
         registry.wrap(target, _uncompiled, "torch.compile'd: run eagerly on CPU")
 

@@ -1,0 +1,148 @@
+"""Image decoding and preprocessing for the vision tower, with pillow and torch only.
+
+``decode_image(data)`` turns encoded bytes (PNG, JPEG, WebP, ... whatever pillow reads) into an RGB
+image, or raises :class:`ImageDecodeError` with one line saying why: not an image, truncated,
+corrupt, too large (pillow's decompression-bomb limit), or empty. Truncated data is always an
+error, whatever ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` says (pillow would otherwise fill the
+missing rows with grey: a silently wrong sample).
+
+``preprocess_image(image, config)`` makes the tower's input, float32 [tiles, 3, img_h, img_w]:
+
+* ``max_tiles == 1``: the whole image resized (bicubic) to img_h x img_w;
+* ``max_tiles > 1``: the image cut into a cols x rows grid of tiles (the grid with at most
+  ``max_tiles`` tiles whose aspect ratio is nearest the image's; ties go to more tiles), the image
+  first resized to exactly fill it, each tile img_h x img_w; with ``thumbnail`` the whole image
+  resized to one tile is appended (the layout of Megatron's multimodal examples);
+
+then scaled to [0, 1] and normalised per channel with ``mean`` / ``std`` (CLIP's by default).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+from megatron_slmoe.config.run import CLIP_MEAN, CLIP_STD
+
+
+class ImageDecodeError(ValueError):
+    """Bytes that do not decode to a complete image; the message is one line."""
+
+
+@dataclass(frozen=True)
+class ImagePreprocessConfig:
+    """How images become vision-tower input."""
+
+    img_h: int = 32
+    """Tile height in pixels (the vision tower's)."""
+    img_w: int = 32
+    """Tile width in pixels (the vision tower's)."""
+    max_tiles: int = 1
+    """1: no tiling; more: cut each image into up to this many tiles."""
+    thumbnail: bool = False
+    """With tiling: append the whole image as one more tile."""
+    mean: Tuple[float, float, float] = CLIP_MEAN
+    """Per-channel mean subtracted after scaling to [0, 1]."""
+    std: Tuple[float, float, float] = CLIP_STD
+    """Per-channel standard deviation divided by after subtracting the mean."""
+
+    _FLAGS = {"img_h": "--img-h", "img_w": "--img-w", "max_tiles": "--max-num-tiles",
+              "thumbnail": "--use-thumbnail", "mean": "--image-mean", "std": "--image-std"}
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """One ValueError line naming the first bad field."""
+        for name in ("img_h", "img_w", "max_tiles"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"image.{name} ({self._FLAGS[name]}) must be a positive "
+                                 f"integer, got {value!r}")
+        if self.thumbnail and self.max_tiles == 1:
+            raise ValueError("image.thumbnail (--use-thumbnail) needs image.max_tiles "
+                             "(--max-num-tiles) > 1")
+        for name in ("mean", "std"):
+            value = getattr(self, name)
+            if (not isinstance(value, tuple) or len(value) != 3
+                    or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in value)):
+                raise ValueError(f"image.{name} ({self._FLAGS[name]}) must be 3 finite numbers, "
+                                 f"got {value!r}")
+        if min(self.std) <= 0:
+            raise ValueError(f"image.std (--image-std) must be positive, got {self.std!r}")
+
+    @property
+    def tiles_per_image(self) -> int:
+        """Upper bound of the tiles one image becomes."""
+        return self.max_tiles + (1 if self.thumbnail else 0)
+
+
+def decode_image(data: bytes):
+    """An RGB ``PIL.Image`` of complete, decodable image bytes, else :class:`ImageDecodeError`."""
+    from PIL import Image, ImageFile
+
+    if not data:
+        raise ImageDecodeError("empty image data")
+    try:
+        with Image.open(io.BytesIO(data)) as probe:
+            probe.verify()  # checks structure and checksums (PNG) without decoding pixels
+        image = Image.open(io.BytesIO(data))
+        if ImageFile.LOAD_TRUNCATED_IMAGES:  # someone switched it on: decode strictly anyway
+            ImageFile.LOAD_TRUNCATED_IMAGES = False
+            try:
+                image.load()
+            finally:
+                ImageFile.LOAD_TRUNCATED_IMAGES = True
+        else:
+            image.load()
+        return image.convert("RGB")
+    except Image.DecompressionBombError as err:
+        raise ImageDecodeError(f"image too large ({err})") from None
+    except Exception as err:  # pillow raises OSError, SyntaxError, ValueError, EOFError, ...
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ImageDecodeError(f"undecodable image: {reason}") from None
+
+
+def tile_grid(width: int, height: int, max_tiles: int) -> Tuple[int, int]:
+    """(cols, rows) with cols * rows <= max_tiles whose aspect ratio is nearest width / height
+    (compared in log space); ties go to more tiles, then to more columns."""
+    target = math.log(width / height)
+    best, best_key = (1, 1), None
+    for cols in range(1, max_tiles + 1):
+        for rows in range(1, max_tiles // cols + 1):
+            key = (round(abs(math.log(cols / rows) - target), 9), -(cols * rows), -cols)
+            if best_key is None or key < best_key:
+                best, best_key = (cols, rows), key
+    return best
+
+
+def _to_tensor(image) -> torch.Tensor:
+    """uint8 RGB image -> float32 [3, H, W] in [0, 1]."""
+    width, height = image.size
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return pixels.view(height, width, 3).permute(2, 0, 1).float().div_(255.0)
+
+
+def preprocess_image(image, config: ImagePreprocessConfig) -> torch.Tensor:
+    """float32 [tiles, 3, img_h, img_w], normalised (see the module doc)."""
+    from PIL import Image
+
+    size = (config.img_w, config.img_h)
+    if config.max_tiles == 1:
+        tiles = [image.resize(size, Image.BICUBIC)]
+    else:
+        cols, rows = tile_grid(image.width, image.height, config.max_tiles)
+        grid = image.resize((cols * config.img_w, rows * config.img_h), Image.BICUBIC)
+        tiles = [grid.crop((c * config.img_w, r * config.img_h,
+                            (c + 1) * config.img_w, (r + 1) * config.img_h))
+                 for r in range(rows) for c in range(cols)]
+        if config.thumbnail:
+            tiles.append(image.resize(size, Image.BICUBIC))
+    pixels = torch.stack([_to_tensor(tile) for tile in tiles])
+    mean = torch.tensor(config.mean, dtype=torch.float32).view(1, 3, 1, 1)
+    std = torch.tensor(config.std, dtype=torch.float32).view(1, 3, 1, 1)
+    return (pixels - mean) / std

@@ -1,0 +1,487 @@
+"""Image-text samples from energon datasets, for the multimodal model.
+
+**Datasets.** A dataset is a folder of WebDataset tar shards prepared for megatron-energon (its
+``.nv-meta/`` holds ``dataset.yaml``, ``split.yaml``, ``.info.json`` and the sample index); make
+one with ``tools/prepare_image_text.py`` (``data/image_text_prepare.py``) or ``energon prepare``.
+Three sample types are read:
+
+=============  =================================  ============================================
+``caption``    energon ``CaptioningSample``        user: ``caption_prompt``; assistant: caption
+``vqa``        energon ``VQASample``               user: context (``<image>`` put first when the
+                                                   context has none); assistant: first answer
+``chat``       energon ``CrudeWebdataset`` sample  ``json``: ``{"messages": [...]}`` (the instruction
+               (json + image parts)                format of ``data/instruction.py``); images: the
+                                                   parts with an image extension, in part-name order
+=============  =================================  ============================================
+
+Reading goes through energon's own pieces: ``get_dataset_from_config`` builds the factory that
+``dataset.yaml`` names (its field map or sample loader decides the fields), and energon's
+``ShardInfosITarReader`` gives random access to sample ``j`` of the split through the tar
+indices. Our decoder parses ``.json`` parts and leaves images as bytes, decoded here so that a bad
+image is a counted skip, not an exception inside the loader.
+
+**Samples.** The conversation is rendered with the chat template of ``data/instruction.py``; every
+``<image>`` in a message becomes ``image_token_index`` in the token ids, where LLaVAModel puts that
+image's embeddings. ``dataset[i]`` is a dict: ``tokens``, ``labels`` (int64 [S]), ``loss_mask``
+(float32 [S], 1 on assistant tokens), ``images`` (float32 [tiles, 3, H, W]) and
+``num_image_tiles`` (int32 [images]). Its text plus image positions fill at most S (``seq_length``):
+the tail is padding, which LLaVAModel cuts, so the combined sequence is exactly S.
+
+**Order and resuming.** As with the text data, sample ``i`` is record ``perm_e[i mod n]`` of
+epoch ``e = i // n`` (a permutation per epoch from ``(seed, e)``; none with ``shuffle=False``), so
+the number of consumed samples is the whole position of a run (``data/sampler.py``).
+
+**Bad samples** are skipped, never a crash and never a wrong sample: sample ``i`` then reads the
+next record of the epoch order (deterministic, the same on every rank and after a resume). Each
+bad record is counted once per process by reason and logged with its shard and key (the first
+``max_warnings``):
+
+* ``undecodable image``: truncated, corrupt or non-image bytes (``data/image.py``);
+* ``image count mismatch``: the ``<image>`` marks in the text do not match the images;
+* ``path escapes dataset``: a tar member path that is absolute or climbs with ``..``;
+* ``malformed record``: missing or wrongly typed fields, bad JSON, bad turn order;
+* ``too long``: the text and image positions do not fit in ``seq_length``.
+
+The records a rank found bad are in ``dataset.stats``; :func:`reduce_skip_counts` counts the
+distinct bad records over the data-parallel ranks (ranks may meet the same one) for the run's log
+and metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from megatron_slmoe.config.run import IMAGE_TOKEN
+from megatron_slmoe.data.errors import DataError
+from megatron_slmoe.data.image import (
+    ImageDecodeError,
+    ImagePreprocessConfig,
+    decode_image,
+    preprocess_image,
+)
+from megatron_slmoe.data.instruction import (
+    _Malformed,
+    build_generation_prompt,
+    parse_record,
+    render_chat,
+    split_for_generation,
+)
+from megatron_slmoe.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+KINDS = ("caption", "vqa", "chat")
+REASONS = ("undecodable image", "image count mismatch", "path escapes dataset",
+           "malformed record", "too long")
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff")
+DEFAULT_CAPTION_PROMPT = f"{IMAGE_TOKEN}\nDescribe the image."
+
+
+class BadSample(ValueError):
+    """A record that cannot become a correct sample; ``reason`` is one of :data:`REASONS`."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class ImageTextStats:
+    """What one process met: samples made, and the bad records (``(path, split, record)``) by
+    reason."""
+
+    samples: int = 0
+    bad: Dict[str, set] = field(default_factory=lambda: {r: set() for r in REASONS})
+
+    @property
+    def skipped(self) -> Dict[str, int]:
+        """Bad records by reason."""
+        return {reason: len(records) for reason, records in self.bad.items()}
+
+    @property
+    def total_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{k}: {v}" for k, v in self.skipped.items() if v)
+        return (f"{self.samples} samples, {self.total_skipped} bad records skipped"
+                f"{f' ({reasons})' if reasons else ''}")
+
+
+# --- records -> conversations ---------------------------------------------------------------------
+
+
+def image_marks(messages: Sequence[Dict[str, str]]) -> int:
+    return sum(m["content"].count(IMAGE_TOKEN) for m in messages)
+
+
+def check_image_count(messages: Sequence[Dict[str, str]], num_images: int) -> None:
+    """BadSample unless the messages mark exactly ``num_images`` images."""
+    marks = image_marks(messages)
+    if marks != num_images:
+        raise BadSample("image count mismatch",
+                        f"the text marks {marks} {IMAGE_TOKEN} but the sample has {num_images} "
+                        f"image(s)")
+
+
+def _part_order(name: str) -> Tuple:
+    """Natural order of part names: img2.png before img10.png."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def _image_parts(sample: dict) -> List[bytes]:
+    names = [k for k in sample if not k.startswith("__")
+             and k.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS]
+    return [sample[k] for k in sorted(names, key=_part_order)]
+
+
+def _text(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise BadSample("malformed record", f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _image_bytes(value, what: str) -> bytes:
+    if not isinstance(value, (bytes, bytearray)):
+        raise BadSample("malformed record", f"{what} is missing or not raw image bytes")
+    return bytes(value)
+
+
+def conversation_of(sample, caption_prompt: str = DEFAULT_CAPTION_PROMPT
+                    ) -> Tuple[List[Dict[str, str]], List[bytes]]:
+    """(messages, encoded images) of an energon sample (see the module doc); BadSample if the
+    record is malformed or its ``<image>`` marks do not match its images."""
+    from megatron.energon import CaptioningSample, CrudeSample, VQASample
+
+    if isinstance(sample, CaptioningSample):
+        images = [_image_bytes(sample.image, "image")]
+        messages = [{"role": "user", "content": caption_prompt},
+                    {"role": "assistant", "content": _text(sample.caption, "caption")}]
+    elif isinstance(sample, VQASample):
+        images = [_image_bytes(sample.image, "image")]
+        context = _text(sample.context, "context")
+        if IMAGE_TOKEN not in context:
+            context = f"{IMAGE_TOKEN}\n{context}"
+        answers = sample.answers
+        if not isinstance(answers, (list, tuple)) or not answers:
+            raise BadSample("malformed record", "answers must be a non-empty list")
+        messages = [{"role": "user", "content": context},
+                    {"role": "assistant", "content": _text(answers[0], "answers[0]")}]
+    elif isinstance(sample, CrudeSample):
+        record = sample.get("json")
+        if not isinstance(record, dict) or "messages" not in record:
+            raise BadSample("malformed record", "the json part must be an object with 'messages'")
+        try:
+            messages = parse_record({"messages": record["messages"]})
+        except _Malformed as err:
+            raise BadSample("malformed record", str(err)) from None
+        images = _image_parts(sample)
+    else:
+        raise BadSample("malformed record", f"unsupported sample type {type(sample).__name__}")
+    if not messages or messages[-1]["role"] != "assistant" or not messages[-1]["content"].strip():
+        raise BadSample("malformed record", "the conversation must end with an assistant answer")
+    check_image_count(messages, len(images))
+    return messages, images
+
+
+def escaping_path(path: str) -> bool:
+    """Whether a tar member path is absolute or leaves its folder (``..``)."""
+    normal = posixpath.normpath(path.replace("\\", "/"))
+    return normal.startswith("/") or normal == ".." or normal.startswith("../") or ":" in normal[:2]
+
+
+class ImageTokens:
+    """A tokenizer whose ``encode`` turns each ``<image>`` into ``image_token_index`` (so the chat
+    template of ``data/instruction.py`` places images where the text says); all else delegates."""
+
+    def __init__(self, tokenizer: Tokenizer, image_token_index: int):
+        self._tokenizer = tokenizer
+        self.image_token_index = image_token_index
+
+    def encode(self, text: str) -> List[int]:
+        ids: List[int] = []
+        for i, piece in enumerate(text.split(IMAGE_TOKEN)):
+            if i:
+                ids.append(self.image_token_index)
+            if piece:
+                ids += self._tokenizer.encode(piece)
+        return ids
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+# --- energon access -------------------------------------------------------------------------------
+
+
+class _JsonPartsDecoder:
+    """Energon sample decoder: ``.json`` parts parsed, everything else (images) left as bytes."""
+
+    def __call__(self, sample: dict) -> dict:
+        out = dict(sample)
+        for key, value in sample.items():
+            if not key.startswith("__") and key.rsplit(".", 1)[-1] == "json":
+                try:
+                    out[key] = json.loads(value)
+                except (ValueError, UnicodeDecodeError) as err:
+                    raise BadSample("malformed record", f"{key}: bad json ({err})") from None
+        return out
+
+    def config(self) -> dict:
+        return {"decoder": type(self).__name__}
+
+
+def open_energon_split(path: str, split: str):
+    """(factory, reader) of one split of an energon dataset: the factory ``dataset.yaml`` names and
+    energon's random-access reader over the split's shards. One DataError line if it is unusable."""
+    from megatron.energon import WorkerConfig
+    from megatron.energon.dataset_config import get_dataset_from_config
+    from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
+
+    if not os.path.isdir(os.path.join(path, ".nv-meta")):
+        raise DataError(f"{path}: not an energon dataset (no .nv-meta folder; prepare it with "
+                        f"tools/prepare_image_text.py or 'energon prepare')")
+    try:
+        factory = get_dataset_from_config(
+            path, split_part=split, training=False, decoder=_JsonPartsDecoder(),
+            worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    except Exception as err:  # energon raises asserts, KeyErrors, YAML errors ...
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(f"{path}: cannot open split {split!r} of the energon dataset: "
+                        f"{reason}") from None
+    if not getattr(factory, "shards", None):
+        raise DataError(f"{path}: split {split!r} has no shards")
+    reader = ShardInfosITarReader(factory.path, factory.shards, part_filter=factory.part_filter,
+                                  sample_filter=factory.sample_filter)
+    return factory, reader
+
+
+# --- the dataset ----------------------------------------------------------------------------------
+
+
+class ImageTextDataset(torch.utils.data.Dataset):
+    """Image-text samples of one split of an energon dataset (see the module doc).
+
+    Args:
+        path: the dataset folder (with ``.nv-meta``).
+        tokenizer: a tokenizer with the chat role tokens.
+        seq_length: S, the combined text + image positions of a sample.
+        image_token_index: the placeholder id of ``<image>`` (the model's).
+        tokens_per_tile: language positions one image tile takes (the model's).
+        preprocess: image preprocessing (tile size = the vision tower's input).
+        split: energon split part ('train', 'val', ...).
+        caption_prompt: the user turn of captioning samples.
+        seed: order of the records; num_samples: length (default one epoch); shuffle: False keeps
+            the split's order; max_warnings: bad-record warnings logged.
+    """
+
+    def __init__(self, path: str, tokenizer: Tokenizer, seq_length: int, *,
+                 image_token_index: int, tokens_per_tile: int,
+                 preprocess: ImagePreprocessConfig, split: str = "train",
+                 caption_prompt: str = DEFAULT_CAPTION_PROMPT, seed: int = 1234,
+                 num_samples: Optional[int] = None, shuffle: bool = True, max_warnings: int = 20):
+        super().__init__()
+        self.path, self.split = os.fspath(path), split
+        self.factory, self.reader = open_energon_split(self.path, split)
+        self.records = len(self.reader)
+        if self.records == 0:
+            raise DataError(f"{self.path}: split {split!r} is empty")
+        self.tokenizer = tokenizer
+        self.tokens = ImageTokens(tokenizer, image_token_index)
+        self.seq_length = int(seq_length)
+        self.tokens_per_tile = int(tokens_per_tile)
+        self.preprocess = preprocess
+        self.caption_prompt = caption_prompt
+        self.seed, self.shuffle = int(seed), bool(shuffle)
+        self.num_samples = self.records if num_samples is None else int(num_samples)
+        self.max_warnings = max_warnings
+        self.stats = ImageTextStats()
+        self._bad: Dict[int, str] = {}
+        self._perms: Dict[int, np.ndarray] = {}
+        self._warned = 0
+        logger.info("image-text data %s [%s]: %d records in %d shards", self.path, split,
+                    self.records, len(self.reader.tar_filenames))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def captioning(self) -> bool:
+        """Whether the split holds energon captioning samples."""
+        from megatron.energon import CaptioningSample
+
+        return issubclass(getattr(self.factory, "__sample_type__", object), CaptioningSample)
+
+    def record_index(self, position: int) -> int:
+        """The record read at position ``position`` of the (epoch-repeated) order."""
+        epoch, within = divmod(int(position), self.records)
+        if not self.shuffle:
+            return within
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.records)
+            self._perms = {epoch: perm}
+        return int(perm[within])
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
+        for offset in range(self.records):
+            sample = self._try(self.record_index(idx + offset))
+            if sample is not None:
+                return sample
+        raise DataError(f"{self.path} [{self.split}]: every record is bad "
+                        f"({self.stats.summary()})")
+
+    # -- one record ----------------------------------------------------------------------------
+
+    def _try(self, record: int) -> Optional[Dict[str, torch.Tensor]]:
+        if record in self._bad:
+            return None
+        try:
+            messages, images, _ = self._read(record)
+            return self._encode(messages, images)
+        except BadSample as err:
+            self._skip(record, err)
+            return None
+
+    def _read(self, record: int):
+        raw = self.reader[record]
+        if raw is None:  # excluded by split.yaml
+            raise BadSample("malformed record", "excluded by the split config")
+        where = f"{raw['__shard__']}: sample {raw['__key__']!r}"
+        names = [raw["__key__"], *(n for s in raw.get("__sources__", ()) for n in s.file_names)]
+        escaping = [n for n in names if escaping_path(n)]
+        if escaping:
+            raise BadSample("path escapes dataset", f"tar member {escaping[0]!r} leaves the "
+                                                    f"dataset folder")
+        try:
+            sample = self.factory.load_sample(raw)
+        except BadSample:
+            raise
+        except Exception as err:  # energon's field access and sample construction
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise BadSample("malformed record", reason) from None
+        messages, images = conversation_of(sample, self.caption_prompt)
+        return messages, images, where
+
+    def _pixels(self, images: Sequence[bytes]) -> Tuple[torch.Tensor, torch.Tensor]:
+        try:
+            tiles = [preprocess_image(decode_image(data), self.preprocess) for data in images]
+        except ImageDecodeError as err:
+            raise BadSample("undecodable image", str(err)) from None
+        cfg = self.preprocess
+        pixels = torch.cat(tiles) if tiles else torch.zeros(0, 3, cfg.img_h, cfg.img_w)
+        counts = torch.tensor([t.shape[0] for t in tiles], dtype=torch.int32)
+        return pixels, counts
+
+    def _encode(self, messages, images: Sequence[bytes]) -> Dict[str, torch.Tensor]:
+        ids, targets = render_chat(self.tokens, messages)
+        pixels, counts = self._pixels(images)
+        self._check_fits(len(ids), counts)
+        return self._pack(ids, targets, pixels, counts)
+
+    def _check_fits(self, num_ids: int, counts: torch.Tensor) -> None:
+        # Inputs are ids[:-1]; each placeholder among them widens to its tiles' positions.
+        width = num_ids - 1 + int((counts * self.tokens_per_tile - 1).sum())
+        if width > self.seq_length:
+            raise BadSample("too long", f"{width} text + image positions exceed seq_length "
+                                        f"{self.seq_length}")
+
+    def _pack(self, ids: List[int], targets: List[int], pixels: torch.Tensor,
+              counts: torch.Tensor) -> Dict[str, torch.Tensor]:
+        n, pad = len(ids) - 1, self.tokenizer.pad_id
+        tokens = torch.full((self.seq_length,), pad, dtype=torch.int64)
+        labels = torch.full((self.seq_length,), pad, dtype=torch.int64)
+        loss_mask = torch.zeros(self.seq_length, dtype=torch.float32)
+        row = torch.tensor(ids, dtype=torch.int64)
+        tokens[:n], labels[:n] = row[:-1], row[1:]
+        loss_mask[:n] = torch.tensor(targets[1:], dtype=torch.float32)
+        self.stats.samples += 1
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "images": pixels,
+                "num_image_tiles": counts}
+
+    def _skip(self, record: int, err: BadSample) -> None:
+        self._bad[record] = err.reason
+        self.stats.bad[err.reason].add((self.path, self.split, record))
+        where = self._where(record)
+        if self._warned < self.max_warnings:
+            self._warned += 1
+            logger.warning("%s: %s: skipped %s: %s", self.path, where, err.reason, err)
+        elif self._warned == self.max_warnings:
+            self._warned += 1
+            logger.warning("%s: more bad records skipped (not shown; counts in the metrics)",
+                           self.path)
+
+    def _where(self, record: int) -> str:
+        """'SHARD: sample KEY' of a record, from the index alone (it may not parse)."""
+        from bisect import bisect_right
+
+        reader = self.reader
+        shard_idx = bisect_right(reader.shard_count_cumsum, record) - 1
+        shard = reader.shard_infos[shard_idx]
+        try:
+            raw = reader[record]
+            key = raw["__key__"] if raw is not None else "?"
+        except Exception:  # the tar itself is damaged
+            key = f"#{record - reader.shard_count_cumsum[shard_idx]}"
+        return f"{shard.name}: sample {key!r}"
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    def generation_examples(self, limit: Optional[int] = None):
+        """(GenerationPrompt, reference answer) of the good records in split order, up to
+        ``limit``: the last assistant turn is the answer to generate."""
+        from megatron_slmoe.training.image_text import GenerationPrompt
+
+        examples = []
+        for record in range(self.records):
+            if limit is not None and len(examples) >= limit:
+                break
+            if record in self._bad:
+                continue
+            try:
+                messages, images, _ = self._read(record)
+                context, answer = split_for_generation(messages)
+                prompt = build_generation_prompt(self.tokens, context)
+                pixels, counts = self._pixels(images)
+                self._check_fits(len(prompt) + len(self.tokenizer.encode(answer)) + 1, counts)
+            except BadSample as err:
+                self._skip(record, err)
+                continue
+            examples.append((GenerationPrompt(prompt, pixels, counts), answer))
+        return examples
+
+
+def collate_image_text(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """One micro-batch: text tensors stacked [b, S]; the images and tile counts of all samples
+    concatenated in sample order (the order LLaVAModel fills the placeholders in)."""
+    if not samples:
+        raise DataError("collate_image_text: no samples")
+    batch = {key: torch.stack([s[key] for s in samples])
+             for key in ("tokens", "labels", "loss_mask")}
+    batch["images"] = torch.cat([s["images"] for s in samples])
+    batch["num_image_tiles"] = torch.cat([s["num_image_tiles"] for s in samples])
+    return batch
+
+
+def reduce_skip_counts(*stats: ImageTextStats) -> Dict[str, int]:
+    """Distinct bad records by reason that the data-parallel ranks met in these datasets
+    (collective over the data-parallel group; bad records are few, so their ids travel)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    mine = {reason: set().union(*(s.bad[reason] for s in stats)) for reason in REASONS}
+    gathered = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, mine, group=group)
+    return {reason: len(set().union(*(g[reason] for g in gathered))) for reason in REASONS}

@@ -1,0 +1,189 @@
+"""The synthetic image-text task of the multimodal demo: coloured shapes on a small canvas.
+
+Each scene is a 32 x 32 image with one to three shapes (circle, square, triangle), each in its own
+quadrant, all of different kinds and different colours (red, green, blue, yellow), drawn with a
+pixel of jitter on a light background. From scenes come
+
+* captions (the base model's pretraining): ``red circle top left, blue triangle bottom right``
+  (shapes in reading order of their quadrants);
+* questions (the LoRA task), one per image, of four kinds with their answers:
+  ``What colour is the circle?`` -> ``red``; ``Which shape is blue?`` -> ``triangle``;
+  ``Where is the square?`` -> ``top left``; ``How many shapes are there?`` -> ``2``.
+
+Chance accuracy (a uniform guess of the right kind of answer) is 1/4, 1/3, 1/4 and 1/3: about
+0.29 over the mix. The held-out questions are about scenes that occur nowhere in the training
+data (neither in the captions nor in the training questions).
+
+Everything is drawn from ``random.Random`` seeded by ``(seed, split, index)`` (string seeds hash
+with SHA-512: the same on every machine), images are PNG and shards carry fixed tar metadata, so
+the same seed gives byte-identical datasets. ``python -m megatron_slmoe.data.shapes --out DIR``
+writes them; :func:`ensure_shapes_task` makes them once in a run directory.
+
+Layout of ``DIR``: ``images/*.png``, the LLaVA-style ``captions.json``, ``vqa_train.json``,
+``vqa_eval.json``, and the energon datasets ``captions/`` (captioning samples, splits train/val)
+and ``vqa/`` (VQA samples, train = training questions, val = held-out questions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+from typing import Dict, List, Tuple
+
+SEED = 20250301
+CANVAS = 32
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 80, 220),
+           "yellow": (225, 200, 30)}
+SHAPES = ("circle", "square", "triangle")
+POSITIONS = ("top left", "top right", "bottom left", "bottom right")
+COUNT_WORDS = {1: "1", 2: "2", 3: "3"}
+BACKGROUND = (240, 240, 236)
+QUESTION_KINDS = ("colour", "shape", "position", "count")
+
+Scene = Tuple[Tuple[int, str, str], ...]  # ((quadrant, colour, shape), ...) sorted by quadrant
+
+
+def make_scene(rng: random.Random) -> Scene:
+    count = rng.randint(1, 3)
+    quadrants = sorted(rng.sample(range(4), count))
+    colours = rng.sample(sorted(COLOURS), count)
+    shapes = rng.sample(SHAPES, count)
+    return tuple(zip(quadrants, colours, shapes))
+
+
+def draw_scene(scene: Scene, rng: random.Random) -> bytes:
+    """PNG bytes of a scene."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (CANVAS, CANVAS), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    half = CANVAS // 2
+    for quadrant, colour, shape in scene:
+        x0 = (quadrant % 2) * half + 2 + rng.randint(-1, 1)
+        y0 = (quadrant // 2) * half + 2 + rng.randint(-1, 1)
+        x1, y1 = x0 + half - 5, y0 + half - 5
+        fill = COLOURS[colour]
+        if shape == "circle":
+            draw.ellipse((x0, y0, x1, y1), fill=fill)
+        elif shape == "square":
+            draw.rectangle((x0 + 1, y0 + 1, x1 - 1, y1 - 1), fill=fill)
+        else:
+            draw.polygon([((x0 + x1) / 2, y0), (x0, y1), (x1, y1)], fill=fill)
+    out = io.BytesIO()
+    image.save(out, format="PNG", optimize=False)
+    return out.getvalue()
+
+
+def caption(scene: Scene) -> str:
+    return ", ".join(f"{colour} {shape} {POSITIONS[quadrant]}" for quadrant, colour, shape
+                     in scene)
+
+
+def question(scene: Scene, rng: random.Random) -> Tuple[str, str]:
+    """(question, answer) of one of the four kinds about a scene."""
+    kind = rng.choice(QUESTION_KINDS)
+    quadrant, colour, shape = rng.choice(scene)
+    if kind == "colour":
+        return f"What colour is the {shape}?", colour
+    if kind == "shape":
+        return f"Which shape is {colour}?", shape
+    if kind == "position":
+        return f"Where is the {shape}?", POSITIONS[quadrant]
+    return "How many shapes are there?", COUNT_WORDS[len(scene)]
+
+
+def _rng(seed: int, split: str, index: int) -> random.Random:
+    return random.Random(f"{seed}:{split}:{index}")
+
+
+def _record(ident: str, image: str, user: str, answer: str) -> dict:
+    return {"id": ident, "image": image,
+            "conversations": [{"from": "human", "value": f"<image>\n{user}"},
+                              {"from": "gpt", "value": answer}]}
+
+
+def generate(out_dir: str, seed: int = SEED, captions: int = 3000, vqa_train: int = 3000,
+             vqa_eval: int = 256) -> Dict[str, str]:
+    """Write the images, the LLaVA-style JSON files and the two energon datasets into
+    ``out_dir`` (see the module doc); returns the dataset paths."""
+    from megatron_slmoe.data.image_text_prepare import prepare_from_llava_json
+
+    images = os.path.join(out_dir, "images")
+    os.makedirs(images, exist_ok=True)
+    held_out: set = set()
+    records: Dict[str, List[dict]] = {"vqa_eval": [], "vqa_train": [], "captions": []}
+    # Held-out scenes first; the training scenes avoid them.
+    for split, count in (("vqa_eval", vqa_eval), ("vqa_train", vqa_train),
+                         ("captions", captions)):
+        index = 0
+        while len(records[split]) < count:
+            rng = _rng(seed, split, index)
+            index += 1
+            scene = make_scene(rng)
+            if split == "vqa_eval":
+                if scene in held_out:
+                    continue
+                held_out.add(scene)
+            elif scene in held_out:
+                continue
+            name = f"{split}_{len(records[split]):06d}.png"
+            with open(os.path.join(images, name), "wb") as f:
+                f.write(draw_scene(scene, rng))
+            if split == "captions":
+                user, answer = "Describe the image.", caption(scene)
+            else:
+                user, answer = question(scene, rng)
+            records[split].append(_record(name[:-4], name, user, answer))
+    for split, items in records.items():
+        with open(os.path.join(out_dir, f"{split}.json"), "w", encoding="utf-8") as f:
+            json.dump(items, f, indent=0)
+    n_val = max(1, captions // 20)
+    with open(os.path.join(out_dir, "captions_val.json"), "w", encoding="utf-8") as f:
+        json.dump(records["captions"][-n_val:], f, indent=0)
+    with open(os.path.join(out_dir, "captions_train.json"), "w", encoding="utf-8") as f:
+        json.dump(records["captions"][:-n_val], f, indent=0)
+    paths = {"captions": os.path.join(out_dir, "captions"), "vqa": os.path.join(out_dir, "vqa")}
+    prepare_from_llava_json(paths["captions"], os.path.join(out_dir, "captions_train.json"),
+                            images, kind="caption",
+                            val_json=os.path.join(out_dir, "captions_val.json"))
+    prepare_from_llava_json(paths["vqa"], os.path.join(out_dir, "vqa_train.json"), images,
+                            kind="vqa", val_json=os.path.join(out_dir, "vqa_eval.json"))
+    return paths
+
+
+def ensure_shapes_task(out_dir: str, seed: int = SEED) -> Dict[str, str]:
+    """The task's dataset paths under ``out_dir``, generated on first use under a temporary name
+    and renamed into place when complete. Call it on one rank (then barrier)."""
+    import shutil
+
+    paths = {"captions": os.path.join(out_dir, "captions"), "vqa": os.path.join(out_dir, "vqa")}
+    if os.path.isdir(out_dir):
+        return paths
+    staging = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        generate(staging, seed)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output folder (must not exist)")
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args(argv)
+    if os.path.exists(args.out):
+        parser.error(f"--out {args.out} already exists")
+    paths = generate(args.out, args.seed)
+    print(json.dumps(paths, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

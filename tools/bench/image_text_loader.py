@@ -1,0 +1,194 @@
+"""Benchmark the image-text sample loader: samples/s and the share of time spent decoding images.
+
+Two datasets, made in a temporary folder (or ``--data DIR`` for an energon dataset of your own):
+  shapes   the demo's synthetic task: 32 x 32 PNGs, VQA samples, 32 x 32 tower input
+  photos   640 x 480 JPEGs of smooth noise (photo-like entropy), chat samples, 336 x 336 input,
+           and the same with tiling (up to 4 tiles + thumbnail)
+
+Rows per dataset (one process, the way the trainer reads: sample i by random access):
+  energon_loader  baseline: energon's own loader (get_val_dataset + get_loader, its default
+                  decoder: images to tensors, no tokenisation, no resize), sequential reads
+  read            energon's factory + tar index by random access, JSON parsed, images left as bytes
+  decode          pillow decode + resize + normalise of the images alone (from read bytes)
+  sample          ImageTextDataset[i]: read + decode + chat template + packing
+  sample_w2       the same through torch's DataLoader with 2 worker processes
+
+decode_share is decode time over sample time; x_energon is a row's samples/s over the energon
+loader's of the same dataset (above 1: faster). Times are the best of --repeats passes.
+
+    python tools/bench/image_text_loader.py --json runs/bench/image_text_loader.json
+    python tools/bench/image_text_loader.py --data my_energon_dataset --samples 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+from megatron_slmoe.data.assets import asset_path
+from megatron_slmoe.data.image import ImagePreprocessConfig, decode_image, preprocess_image
+from megatron_slmoe.data.image_text import ImageTextDataset, collate_image_text, open_energon_split
+from megatron_slmoe.data.image_text_prepare import ShardRecord, prepare_image_text
+from megatron_slmoe.data.tokenizer import load_tokenizer
+from megatron_slmoe.utils.atomic import write_json_atomic
+
+
+def make_photos(folder: str, count: int, size=(640, 480)) -> str:
+    """An energon chat dataset of smooth-noise JPEGs (deterministic)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(count):
+        coarse = rng.integers(0, 256, (size[1] // 16, size[0] // 16, 3), dtype=np.uint8)
+        image = Image.fromarray(coarse).resize(size, Image.BICUBIC)
+        noise = rng.integers(-12, 13, (size[1], size[0], 3))
+        image = Image.fromarray(np.clip(np.asarray(image, dtype=np.int16) + noise, 0, 255)
+                                .astype(np.uint8))
+        out = io.BytesIO()
+        image.save(out, format="JPEG", quality=90)
+        records.append(ShardRecord({"id": str(i), "messages": [
+            {"role": "user", "content": "<image>\nWhat is in this picture?"},
+            {"role": "assistant", "content": "smooth coloured noise"}]}, [("jpg", out.getvalue())]))
+    path = os.path.join(folder, "photos")
+    prepare_image_text(path, {"train": records}, "chat", samples_per_shard=256)
+    return path
+
+
+def make_shapes(folder: str) -> str:
+    from megatron_slmoe.data.shapes import generate
+
+    return generate(os.path.join(folder, "shapes"), captions=64, vqa_train=1024, vqa_eval=64)["vqa"]
+
+
+def best_rate(fn, samples: int, repeats: int) -> float:
+    """Samples per second of ``fn()`` processing ``samples`` samples, best of ``repeats``."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return samples / best
+
+
+def bench_dataset(name: str, path: str, preprocess: ImagePreprocessConfig, patch: int,
+                  args) -> list[dict]:
+    """Rows of one dataset; ``patch``: the tower's patch size (image positions per tile)."""
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+
+    tokenizer = load_tokenizer(asset_path("tokenizer.json"))
+    tokens_per_tile = (preprocess.img_h // patch) * (preprocess.img_w // patch)
+    dataset = ImageTextDataset(path, tokenizer, args.seq_length + preprocess.tiles_per_image
+                               * tokens_per_tile, image_token_index=-200,
+                               tokens_per_tile=tokens_per_tile, preprocess=preprocess,
+                               shuffle=False)
+    n = min(args.samples, dataset.records)
+    factory, reader = open_energon_split(path, "train")
+    raws = [reader[i] for i in range(n)]
+    images = [bytes(v) for raw in raws for k, v in raw.items()
+              if not k.startswith("__") and k.rsplit(".", 1)[-1] in ("png", "jpg")]
+
+    def energon_loader():
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+        loader = get_loader(get_val_dataset(path, split_part="train", worker_config=wc,
+                                            batch_size=1, limit=n))
+        for _ in loader:
+            pass
+
+    def read():
+        for i in range(n):
+            factory.load_sample(reader[i])
+
+    def decode():
+        for data in images:
+            preprocess_image(decode_image(data), preprocess)
+
+    def sample():
+        for i in range(n):
+            dataset[i]
+
+    def sample_workers():
+        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, range(n)),
+                                             batch_size=8, num_workers=2,
+                                             collate_fn=collate_image_text)
+        for _ in loader:
+            pass
+
+    rates = {"energon_loader": best_rate(energon_loader, n, args.repeats),
+             "read": best_rate(read, n, args.repeats),
+             "decode": best_rate(decode, n, args.repeats),
+             "sample": best_rate(sample, n, args.repeats)}
+    if args.workers:
+        rates["sample_w2"] = best_rate(sample_workers, n, args.repeats)
+    share = rates["sample"] / rates["decode"]  # decode seconds per sample over sample seconds
+    return [{"dataset": name, "row": row, "samples": n, "samples_per_s": rate,
+             "ms_per_sample": 1e3 / rate, "x_energon": rate / rates["energon_loader"],
+             "decode_share": share if row == "sample" else None,
+             "tile": f"{preprocess.img_h}x{preprocess.img_w}",
+             "tiles": preprocess.tiles_per_image} for row, rate in rates.items()]
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'dataset':<14} {'row':<15} {'input':>9} {'tiles':>5} {'samples/s':>10} "
+          f"{'ms/sample':>10} {'x_energon':>9} {'decode_share':>12}")
+    for r in rows:
+        share = "" if r["decode_share"] is None else f"{r['decode_share']:.0%}"
+        print(f"{r['dataset']:<14} {r['row']:<15} {r['tile']:>9} {r['tiles']:>5} "
+              f"{r['samples_per_s']:>10.1f} {r['ms_per_sample']:>10.2f} {r['x_energon']:>9.2f} "
+              f"{share:>12}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", help="an energon dataset folder to measure (split 'train') instead "
+                                  "of the generated ones")
+    p.add_argument("--samples", type=int, default=256, help="samples per pass (default 256)")
+    p.add_argument("--repeats", type=int, default=3, help="passes per row; the best counts")
+    p.add_argument("--seq-length", type=int, default=64, help="text positions per sample")
+    p.add_argument("--no-workers", dest="workers", action="store_false",
+                   help="skip the DataLoader row with worker processes")
+    p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    args = p.parse_args(argv)
+    if args.samples < 1 or args.repeats < 1:
+        p.error("--samples and --repeats must be positive")
+    if args.data and not os.path.isdir(os.path.join(args.data, ".nv-meta")):
+        p.error(f"--data {args.data}: not an energon dataset folder")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        if args.data:
+            datasets = [("data", args.data, ImagePreprocessConfig(img_h=336, img_w=336), 14)]
+        else:
+            photos = make_photos(folder, args.samples)
+            datasets = [("shapes", make_shapes(folder), ImagePreprocessConfig(img_h=32, img_w=32),
+                         16),
+                        ("photos", photos, ImagePreprocessConfig(img_h=336, img_w=336), 14),
+                        ("photos-tiled", photos, ImagePreprocessConfig(
+                            img_h=336, img_w=336, max_tiles=4, thumbnail=True), 14)]
+        for name, path, preprocess, patch in datasets:
+            rows += bench_dataset(name, path, preprocess, patch, args)
+    print(f"# image-text loader, one process ({os.cpu_count()} CPUs visible), torch "
+          f"{torch.__version__}")
+    print_rows(rows)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        write_json_atomic(args.json, rows, indent=1)
+        print(f"# rows written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
