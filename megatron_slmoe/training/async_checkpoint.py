@@ -11,7 +11,9 @@ it (manifest, rename, ``latest``). At most one checkpoint is in flight: a new sa
 the previous one. ``blocked_s_by_save`` is the time the loop waited for each checkpoint (in
 ``save``, then in the ``poll``/``close`` that finalized it).
 
-A writer process ends with its trainer (``lifeline``), so a killed rank leaves no writer behind.
+A writer process ends with its trainer (``lifeline``), so a killed rank leaves no writer behind;
+so does the process that serves the queue Megatron's shard writers report to (Megatron would spawn
+it on first use, and a spawned one outlives a killed trainer).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 class CheckpointWriter:
     def __init__(self, async_save: bool, persistent_worker: bool = False) -> None:
+        _serve_write_results()
         self.async_save = async_save
         self.persistent_worker = persistent_worker and async_save
         self.blocked_s_by_save: list[float] = []
@@ -89,6 +92,27 @@ class CheckpointWriter:
         except (CheckpointingException, CheckpointException) as err:  # on every rank alike
             log.warning("a checkpoint could not be written (%s); the newest complete one stays "
                         "the newest", " ".join(str(err).split())[:300])
+
+
+def _serve_write_results() -> None:
+    """Start the queue that Megatron's shard writers send their results to, served by a forked
+    manager process that ends with this trainer (no second import, no orphan)."""
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_slmoe.training.lifeline import exit_with_parent
+
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # already served (or a megatron-core that no longer keeps it: its own default)
+    manager = SyncManager(ctx=torch.multiprocessing.get_context("fork"))
+    manager.start(initializer=exit_with_parent,
+                  initargs=(f"checkpoint results queue of rank {torch.distributed.get_rank()}",))
+    filesystem_async._results_queue = manager.Queue()
+    _MANAGERS.append(manager)  # kept alive with the process
+
+
+_MANAGERS: list = []
 
 
 def _start_persistent_worker() -> PersistentAsyncCaller:

@@ -1,0 +1,145 @@
+"""Kill a fine-tuning run at random moments of its asynchronous checkpoint saves, resume it, and
+report what happened (for tests/e2e/test_resilience.py).
+
+    python -m tests.helpers.crash_trials --base DIR --out DIR --seeds 0 1 2 [--persistent]
+
+One process imports everything once; each run is a fork of it (one rank, a gloo group of one),
+so a trial costs seconds, not an import. For each seed the run saves every step; once a save is
+in flight (an ``iter_*.tmp`` exists) and a random 0-40 ms later, the whole process group (the
+trainer, its forked or persistent checkpoint writer, the writer's own children) gets SIGKILL.
+The same command then resumes and finishes. The report (JSON on stdout) holds, per trial, the
+losses by iteration, where the kill fell and what the resume started from, and the uninterrupted
+reference run's losses and adapter digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+ITERS = 10
+FLAGS = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size", "4",
+         "--micro-batch-size", "2", "--lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters",
+         "1", "--eval-interval", "1000", "--log-interval", "1000", "--lora-rank", "4", "--fp32",
+         "--no-tensorboard", "--save-interval", "1", "--keep-last", "2", "--train-iters",
+         str(ITERS)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start(argv: list[str], log: Path) -> int:
+    """A forked run of the entry point in a process group of its own; its pid."""
+    port = _free_port()
+    pid = os.fork()
+    if pid:
+        return pid
+    os.setpgid(0, 0)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 1
+    try:
+        from megatron_slmoe.training.finetune import main
+
+        code = main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait(pid: int, timeout: float = 600) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.killpg(pid, signal.SIGKILL)
+    raise TimeoutError(f"run {pid} did not finish in {timeout} s")
+
+
+def _losses(out: Path) -> list[list]:
+    """[iteration, loss] of every step record of metrics.jsonl, in file order."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [[r["iteration"], r["loss"]] for r in records if "event" not in r]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run(base: Path, root: Path, seeds: list[int], persistent: bool) -> dict:
+    from megatron_slmoe.training.checkpointing import verify
+
+    common = [*FLAGS, "--base-checkpoint", str(base)]
+    report: dict = {"trials": []}
+    ref = root / "reference"
+    code = _wait(_start([*common, "--output-dir", str(ref)], root / "reference.log"))
+    report["reference"] = {"code": code, "losses": _losses(ref),
+                           "adapter": _digest(ref / "adapter" / "adapter_model.safetensors")}
+    modes = [("fork", [])] + ([("persistent", ["--use-persistent-ckpt-worker"])] if persistent
+                              else [])
+    for mode, extra in modes:
+        for seed in seeds:
+            rng = random.Random(seed)
+            out, log = root / f"{mode}-{seed}", root / f"{mode}-{seed}.log"
+            argv = [*common, *extra, "--output-dir", str(out)]
+            skip_saves = rng.randrange(1, ITERS - 3)  # let this many saves go by first
+            pid = _start(argv, log)
+            ckpts, seen, killed = out / "checkpoints", set(), None
+            while killed is None:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break  # finished before the kill: the trial proves nothing, reported as such
+                inflight = sorted(p.name for p in ckpts.glob("iter_*.tmp")) if ckpts.is_dir() else []
+                seen.update(inflight)
+                if inflight and len(seen) > skip_saves:
+                    delay = rng.uniform(0, 0.04)
+                    time.sleep(delay)
+                    os.killpg(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    complete = sorted(p.name for p in ckpts.glob("iter_???????"))
+                    killed = {"during": inflight[-1], "delay_s": delay, "complete": complete,
+                              "intact": [n for n in complete if verify(str(ckpts / n)) is None]}
+                time.sleep(0.002)
+            resumed_code = _wait(_start(argv, log))
+            resumed = [line for line in log.read_text().splitlines() if "resumed from" in line]
+            report["trials"].append({
+                "mode": mode, "seed": seed, "killed": killed, "code": resumed_code,
+                "resumed": resumed[-1] if resumed else None, "losses": _losses(out),
+                "adapter": _digest(out / "adapter" / "adapter_model.safetensors")
+                if (out / "adapter").is_dir() else None})
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--persistent", action="store_true",
+                        help="also with Megatron's persistent checkpoint worker")
+    args = parser.parse_args()
+    import megatron_slmoe.training.finetune  # noqa: F401  (imported once, before the forks)
+
+    report = run(Path(args.base), Path(args.out), args.seeds, args.persistent)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
