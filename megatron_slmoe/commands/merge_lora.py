@@ -82,7 +82,7 @@ def merge(args: argparse.Namespace) -> str:
     from megatron_slmoe.platform.single_rank import init_single_rank
     from megatron_slmoe.utils.atomic import atomic_directory
 
-    model_config = _model_config(args)
+    model_config, by_name = _model_config(args)
     try:
         init_single_rank()
     except RuntimeError as err:  # a process with model parallelism already set up
@@ -99,8 +99,11 @@ def merge(args: argparse.Namespace) -> str:
         raise BadInput(f"cannot load base checkpoint {args.base_checkpoint} as model config "
                        f"{model_config.name}: {_load_error(err)}") from None
     try:
-        load_adapter(model, args.adapter, base_info={"model_config": model_config.name,
-                                                     **_tokenizer_info(args.base_checkpoint)})
+        # The adapter records its base model's config by name; a model file the base carries
+        # is named after the file, so then the tensors' shapes are the check.
+        names = {"model_config": model_config.name} if by_name else {}
+        load_adapter(model, args.adapter,
+                     base_info={**names, **_tokenizer_info(args.base_checkpoint)})
     except AdapterError as err:
         raise BadInput(_one_line(err)) from None
     merge_lora(model)
@@ -111,8 +114,8 @@ def merge(args: argparse.Namespace) -> str:
 
 
 def _model_config(args: argparse.Namespace):
-    """The model to build: what the base checkpoint records, else what the adapter records;
-    ``--config`` must agree with the base's record."""
+    """(the model to build, whether it was chosen by name): what the base checkpoint records,
+    else what the adapter records; ``--config`` must agree with the base's record."""
     from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.lora.adapter import AdapterError, read_adapter_config
     from megatron_slmoe.model.config import load_model_config
@@ -134,7 +137,7 @@ def _model_config(args: argparse.Namespace):
                          f"--base-checkpoint {args.base_checkpoint}")
     except ConfigError as err:
         raise BadInput(_one_line(err)) from None
-    return model_config
+    return model_config, not os.path.isfile(chosen) or chosen == args.config
 
 
 def _tokenizer_info(base: str) -> dict:

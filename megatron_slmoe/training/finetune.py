@@ -242,8 +242,8 @@ class Trainer:
             return self._run()
         except BaseException as err:
             if getattr(self, "attempt", None) is not None:
-                self.attempt.ended(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-                                   self.iteration)
+                first_line = (str(err).splitlines() or [""])[0]
+                self.attempt.ended(f"{type(err).__name__}: {first_line}", self.iteration)
             if getattr(self, "checkpoints", None) is not None:
                 self.checkpoints.close(abort=True)
             if not _is_out_of_memory(err):

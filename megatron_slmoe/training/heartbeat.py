@@ -170,8 +170,11 @@ class Heartbeat:
             reporter = True
         text = f"[heartbeat] {message}; stopping the job"
         if reporter:
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
+            try:
+                sys.stderr.write(text + "\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
         if self.on_stop is not None:
             try:
                 self.on_stop(text if reporter else None)

@@ -25,9 +25,12 @@ def exit_with_parent(what: str, interval_s: float = 0.5) -> None:
         while True:
             time.sleep(interval_s)
             if os.getppid() != parent:
-                sys.stderr.write(f"[lifeline] {what}: its parent process {parent} is gone; "
-                                 f"exiting\n")
-                sys.stderr.flush()
+                try:  # the output may have gone with the parent (a pipe to a killed tee)
+                    sys.stderr.write(f"[lifeline] {what}: its parent process {parent} is gone; "
+                                     f"exiting\n")
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
                 os._exit(ORPHAN_EXIT_CODE)
 
     threading.Thread(target=watch, name="slmoe-lifeline", daemon=True).start()
