@@ -162,3 +162,14 @@ def test_help_is_printed_once_and_creates_nothing(sandbox):
     assert proc.stdout.count("usage: megatron_slmoe.training.finetune") == 1
     assert "MAX_RESTARTS" in proc.stdout and "--heartbeat-timeout" in proc.stdout
     assert (sorted(p.name for p in REPO.iterdir()), (REPO / "runs" / "logs").exists()) == before
+
+
+def test_the_settings_comments_name_real_lora_targets():
+    """The launcher's comment on LORA_TARGET_MODULES shows the default targets, by their names."""
+    from megatron_slmoe.config.run import DEFAULT_LORA_TARGETS
+    from megatron_slmoe.lora.targets import TARGETS
+
+    line = next(line for line in (REPO / "scripts" / "pretrain_lora.sh").read_text().splitlines()
+                if "--lora-target-modules" in line and "LORA_TARGET_MODULES" in line)
+    shown = line.rsplit("# [", 1)[1].rstrip("]").split()
+    assert shown == list(DEFAULT_LORA_TARGETS) and set(shown) <= set(TARGETS)

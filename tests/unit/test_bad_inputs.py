@@ -96,10 +96,30 @@ def _earlier_run(path: Path, steps: int, lora_rank: int = 8, lr: float = 2e-3) -
     return path
 
 
+def _real_base(path: Path) -> Path:
+    """The tiny model saved as a base, as a full fine-tune's --save-base writes it."""
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.model.build import build_gpt_model
+    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.training.checkpointing import save_base_checkpoint
+
+    mc = load_model_config("tiny")
+    model = build_gpt_model(mc, mc.transformer_config(use_cpu_initialization=True))
+    save_base_checkpoint(model, str(path), "tiny", load_tokenizer(str(SHIPPED_TOKENIZER)))
+    return path
+
+
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
+def inputs(tmp_path_factory, megatron_single_rank):
     root = tmp_path_factory.mktemp("bad-inputs")
     files = {"root": root}
+    files["real_base"] = _real_base(root / "bases" / "real")
+    files["real_cut"] = root / "bases" / "real-cut"
+    shutil.copytree(files["real_base"], files["real_cut"])
+    shard = sorted(files["real_cut"].glob("*.distcp"))[-1]
+    files["real_shard"] = shard.name
+    files["real_size"] = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:100])
     files["other_tok"] = _other_tokenizer(root / "tok" / "other.json")
     files["large_tok"] = _large_tokenizer(root / "tok" / "large.json")
     files["not_tok"] = _write(root / "tok" / "broken.json", '{"model": ')
@@ -155,30 +175,30 @@ def inputs(tmp_path_factory):
 # (input, argv with {placeholders}, needle in the one line); the output directory is added.
 ENTRY_POINT_CASES = [
     # flags
-    ("--lora-rank", ["--lora-rank", "100000"], "--lora-rank) must be an integer in 1..256"),
+    ("--lora-rank", ["--lora-rank", "100000"], "--lora-rank must be an integer in 1..256"),
     ("--lora-rank", ["--lora-rank", "eight"], "--lora-rank: invalid int value"),
-    ("--lora-alpha", ["--lora-alpha", "0"], "--lora-alpha) must be a positive finite number"),
-    ("--lora-dropout", ["--lora-dropout", "1.0"], "--lora-dropout) must be a number"),
+    ("--lora-alpha", ["--lora-alpha", "0"], "--lora-alpha must be a positive finite number"),
+    ("--lora-dropout", ["--lora-dropout", "1.0"], "--lora-dropout must be a number"),
     ("--lora-target-modules", ["--lora-target-modules", "qkv"], "unknown target 'qkv'"),
     ("--model-config", ["--model-config", "nosuch"], "no model config named 'nosuch'"),
     ("--seq-length", ["--seq-length", "100000"], "--seq-length 100000 exceeds the model's"),
-    ("--train-iters", ["--train-iters", "0"], "--train-iters) must be positive"),
+    ("--train-iters", ["--train-iters", "0"], "--train-iters must be positive"),
     ("--lr-warmup-iters", ["--lr-warmup-iters", "300"], "--lr-warmup-iters 300 must be below"),
     ("--tensor-model-parallel-size", ["--tensor-model-parallel-size", "3"],
      "world size 1 is not divisible by --tensor-model-parallel-size 3"),
     ("--global-batch-size", ["--global-batch-size", "6"], "--global-batch-size 6 is not a multiple"),
-    ("--heartbeat-timeout", ["--heartbeat-timeout", "-1"], "--heartbeat-timeout) must be >= 0"),
+    ("--heartbeat-timeout", ["--heartbeat-timeout", "-1"], "--heartbeat-timeout must be >= 0"),
     ("--heartbeat-timeout", ["--heartbeat-timeout", "1800"], "--heartbeat-timeout 1800 s must be below"),
-    ("--straggler-threshold", ["--straggler-threshold", "0.5"], "--straggler-threshold) must be 0"),
+    ("--straggler-threshold", ["--straggler-threshold", "0.5"], "--straggler-threshold must be 0"),
     ("--max-malformed-fraction", ["--max-malformed-fraction", "1.5"],
-     "--max-malformed-fraction) must be in [0, 1)"),
+     "--max-malformed-fraction must be in [0, 1)"),
     ("--use-persistent-ckpt-worker", ["--no-async-save", "--use-persistent-ckpt-worker"],
-     "--use-persistent-ckpt-worker) needs --async-save"),
+     "--use-persistent-ckpt-worker needs --async-save"),
     ("--no-such-flag", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     # --config YAML
     ("--config", ["--config", "{root}/yaml/missing.yaml"], "--config {root}/yaml/missing.yaml"),
     ("--config", ["--config", "{yaml_unknown}"], "unknown key lora.ranks"),
-    ("--config", ["--config", "{yaml_type}"], "lora.rank (--lora-rank) must be int"),
+    ("--config", ["--config", "{yaml_type}"], "lora.rank: --lora-rank must be int"),
     ("--config", ["--config", "{yaml_section}"], "unknown section 'loraa'"),
     ("--config", ["--config", "{yaml_broken}"], "not valid YAML"),
     # model configs
@@ -217,6 +237,14 @@ ENTRY_POINT_CASES = [
     ("--base-checkpoint", ["--base-checkpoint", "{base_small}"], "holds model 'small'"),
     ("--base-checkpoint", ["--base-checkpoint", "{base_tok}"],
      "is not the tokenizer --base-checkpoint {base_tok} was trained with"),
+    ("--base-checkpoint", ["--base-checkpoint", "{real_cut}"],
+     "--base-checkpoint {real_cut} is damaged: {real_shard} has 100 bytes, the manifest says "
+     "{real_size}"),
+    ("--base-checkpoint", ["--base-checkpoint", "{real_base}", "--tokenizer", "{other_tok}"],
+     "--tokenizer {other_tok} is not the tokenizer --base-checkpoint {real_base} was trained with "
+     "({real_base}/tokenizer.json): pass --tokenizer {real_base}/tokenizer.json"),
+    ("--base-checkpoint", ["--base-checkpoint", "{real_base}", "--model-config", "small"],
+     "--base-checkpoint {real_base} holds model 'tiny' (recorded in the checkpoint), not 'small'"),
     ("--base-checkpoint", ["--base-checkpoint", "{base_nometa}"], "has no .metadata"),
     ("--base-checkpoint", ["--base-checkpoint", "{base_zero}"], "__0_0.distcp is empty"),
     # starting adapters
