@@ -120,7 +120,7 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, trainer
     """
     rank = torch.distributed.get_rank()
     name = f"iter_{iteration:07d}"
-    final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
+    tmp = os.path.join(root, name + ".tmp")
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         for stale in os.listdir(root):  # leftovers of a save that crashed
@@ -207,7 +207,8 @@ def _promote(root: str, name: str, keep_last: int) -> None:
     torch.distributed.barrier()
 
 
-def _inventory(directory: str, known: Optional[dict[str, dict]] = None) -> dict[str, dict[str, Any]]:
+def _inventory(directory: str,
+               known: Optional[dict[str, dict]] = None) -> dict[str, dict[str, Any]]:
     """Every file under ``directory`` with its size and SHA-256 (from ``known`` where the size
     still matches, else computed)."""
     files = {}

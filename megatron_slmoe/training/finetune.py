@@ -65,18 +65,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_NOTHING_TO_DO if command.validate_only else 0
     if command.validate_only:
         return 0
-    from megatron_slmoe.training.lifeline import exit_with_parent, under_torchrun
+    trainer = Trainer(command.run, megatron_slmoe.PLATFORM)
+    from megatron_slmoe.training.lifeline import exit_with_parent, on_sigterm, under_torchrun
 
     if under_torchrun():  # torchrun's workers run in sessions of their own: end with the agent
         exit_with_parent(f"rank {os.environ.get('RANK', '?')}")
+        on_sigterm(trainer.terminated)
     # Our progress lines and data summaries from rank 0; everyone's warnings; not Megatron's
     # INFO chatter (it prints whole configs).
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megatron_slmoe").setLevel(logging.INFO)
-    import megatron_slmoe
-
-    return Trainer(command.run, megatron_slmoe.PLATFORM).run()
+    return trainer.run()
 
 
 class Trainer:
@@ -253,6 +253,12 @@ class Trainer:
         finally:
             if getattr(self, "heartbeat", None) is not None:
                 self.heartbeat.close()
+
+    def terminated(self) -> None:
+        """SIGTERM's last word (training.lifeline): this rank was stopped, it did not fail."""
+        if getattr(self, "attempt", None) is not None:
+            self.attempt.ended("SIGTERM: stopped (torchrun stops every rank once one fails)",
+                               getattr(self, "iteration", 0))
 
     def _oom_report(self, err: BaseException) -> str:
         from megatron_slmoe.plan.check import format_oom_report

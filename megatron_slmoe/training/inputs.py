@@ -174,7 +174,8 @@ def _check_adapter_init(run: RunConfig, model_config, tokenizer) -> None:
             handle.keys()
     except Exception as err:  # noqa: BLE001  (safetensors raises several types)
         reason = " ".join(str(err).split())[:160]
-        raise ConfigError(f"{flag}: {weights} is not a readable safetensors file ({reason})")
+        raise ConfigError(f"{flag}: {weights} is not a readable safetensors file "
+                          f"({reason})") from None
 
 
 def _check_data(run: RunConfig) -> None:

@@ -37,7 +37,8 @@ class MetricsWriter:
     that attempt wrote and this one writes again: the file keeps one record per iteration, in
     order. TensorBoard purges those steps the same way."""
 
-    def __init__(self, output_dir: str, tensorboard: bool = True, start_iteration: int = 0) -> None:
+    def __init__(self, output_dir: str, tensorboard: bool = True,
+                 start_iteration: int = 0) -> None:
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, "metrics.jsonl")
         _drop_records_after(path, start_iteration)

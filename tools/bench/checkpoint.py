@@ -77,8 +77,9 @@ def _run(mode: str, flags: list[str], model: str, args, work: str) -> dict:
            "--log-interval", str(args.iters), "--lr-warmup-iters", "0", "--no-tensorboard",
            "--memory-check", "off", "--heartbeat-timeout", "0", "--output-dir", out, *flags]
     start = time.perf_counter()
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                          env={**os.environ, "OMP_NUM_THREADS": threads})
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"{mode}: the run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
