@@ -128,6 +128,8 @@ def test_killed_rank_restarts_in_job_and_reproduces_losses(start, single_rank):
     assert sorted(losses) == list(range(1, 21))
     for it in range(1, 21):
         assert losses[it] == pytest.approx(single_rank[it], rel=1e-5, abs=1e-6), f"iteration {it}"
+    timed = [r for r in _records(run) if "step_time" in r]  # per-rank compute, at log intervals
+    assert timed and all(len(r["step_time"]["compute_s_by_rank"]) == 2 for r in timed)
     (restart,) = [r for r in _records(run) if r.get("event") == "restart"]
     assert restart["restart"] == 1 and restart["attempt"] == 1
     resumed = restart["resumed_from"]
