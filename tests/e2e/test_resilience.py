@@ -1,14 +1,13 @@
 """Failures of a running job, made on purpose on real processes:
 
-- a rank slowed down from outside (SIGSTOP/SIGCONT duty cycle) is named as a straggler in the log
-  and in metrics.jsonl; then stopped for good (SIGSTOP), the job ends within the heartbeat
-  timeout, far below the collective timeout, with one message naming that rank, its node and the
-  last step it finished;
+- a rank stopped (SIGSTOP) ends the job within the heartbeat timeout, far below the collective
+  timeout, with one message naming that rank, its node and the last step it finished (naming a
+  slow rank: tests/distributed/test_stragglers.py);
 - killing the launcher's whole process group with SIGKILL (nothing can be trapped) ends the
-  workers, which torchrun runs in sessions of their own;
-- kill -9 at random moments of asynchronous checkpoint saves (several seeds; a forked writer per
-  save, and Megatron's persistent writer): the resume always starts from an intact checkpoint and
-  reproduces the uninterrupted run's losses and adapter.
+  worker, which torchrun runs in a session of its own;
+- kill -9 at a random moment of an asynchronous checkpoint save: the resume starts from the
+  newest intact checkpoint and reproduces the uninterrupted run's losses and adapter (one seed;
+  ``tools/bench/crash_trials.py`` runs several, and Megatron's persistent writer).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -61,42 +59,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _throttle(pid: int, stop: threading.Event, stopped_s: float = 0.09, running_s: float = 0.03):
-    """Run ``pid`` a quarter of the time (as a throttled device would)."""
-    while not stop.is_set():
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(stopped_s)
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(running_s)
-
-
-def test_straggler_named_then_stopped_rank_ends_the_job(tiny_base, tmp_path):
+def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout(tiny_base, tmp_path):
     run = tmp_path / "run"
-    args = [*TINY, "--base-checkpoint", str(tiny_base), "--train-iters", "500", "--log-interval",
-            "4", "--save-interval", "1000", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
-            "--straggler-threshold", "1.5", "--output-dir", str(run)]  # DP=2
+    args = [*TINY, "--base-checkpoint", str(tiny_base), "--train-iters", "500",
+            "--save-interval", "1000", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
+            "--output-dir", str(run)]  # DP=2
     proc = subprocess.Popen(torchrun_command(2, args), cwd=REPO, env=restart_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        _wait_for(lambda: len(_records(run)) >= 4, 300, "four steps")
+        _wait_for(lambda: len(_records(run)) >= 2, 300, "two steps")
         victim = _rank_pids(run)[1]
-        stop = threading.Event()
-        throttle = threading.Thread(target=_throttle, args=(victim, stop), daemon=True)
-        throttle.start()
-        try:
-            named = _wait_for(lambda: [r for r in _records(run)
-                                       if [s["rank"] for s in r.get("step_time", {})
-                                           .get("stragglers", [])] == [1]], 300,
-                              "rank 1 named as a straggler")
-        finally:
-            stop.set()
-            throttle.join()
-            os.kill(victim, signal.SIGCONT)
-        straggler = named[0]["step_time"]["stragglers"][0]
-        assert straggler["node"] == socket.gethostname() and straggler["ratio"] > 1.5
-        assert named[0]["step_time"]["slowest_rank"] == 1
-
         last = _records(run)[-1]["iteration"]
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.time()
@@ -116,13 +89,12 @@ def test_straggler_named_then_stopped_rank_ends_the_job(tiny_base, tmp_path):
             in messages[0])
     step = int(messages[0].split("the last step it finished is ")[1].split(";")[0])
     assert last <= step <= _records(run)[-1]["iteration"]
-    assert [line for line in out.splitlines() if line.startswith("[straggler] rank 1 on node")]
     assert not _alive(victim)
 
 
 def test_killing_the_launcher_ends_its_workers(tiny_base, tmp_path):
     run = tmp_path / "run"
-    env = {**os.environ, "NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}
+    env = {**os.environ, "NPROC_PER_NODE": "1", "MAX_RESTARTS": "0"}  # one worker suffices
     launcher = subprocess.Popen(
         ["bash", "scripts/pretrain_lora.sh", "--no-preflight", *TINY, "--base-checkpoint",
          str(tiny_base), "--train-iters", "500", "--output-dir", str(run)],
@@ -131,7 +103,7 @@ def test_killing_the_launcher_ends_its_workers(tiny_base, tmp_path):
     try:
         _wait_for(lambda: len(_records(run)) >= 1, 300, "the first step")
         workers = _rank_pids(run)
-        assert len(workers) == 2
+        assert len(workers) == 1
         os.killpg(launcher.pid, signal.SIGKILL)  # bash, torchrun, tee: not the workers' sessions
         launcher.wait()
         _wait_for(lambda: not any(_alive(pid) for pid in workers.values()), 30,
@@ -147,13 +119,14 @@ def test_killing_the_launcher_ends_its_workers(tiny_base, tmp_path):
 
 @pytest.fixture(scope="module")
 def crash_trials(tiny_base, tmp_path_factory):
+    """One seed here; tools/bench/crash_trials.py runs more, and Megatron's persistent writer."""
     out = tmp_path_factory.mktemp("crash-trials")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.crash_trials", "--base", str(tiny_base), "--out",
-         str(out), "--seeds", "0", "1", "2", "--persistent"],
+        [sys.executable, "tools/bench/crash_trials.py", "--base", str(tiny_base), "--work",
+         str(out), "--seeds", "0", "--json", str(out / "report.json")],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return json.loads((out / "report.json").read_text())
 
 
 def test_kill_during_async_saves_resumes_from_an_intact_checkpoint(crash_trials):
@@ -161,7 +134,7 @@ def test_kill_during_async_saves_resumes_from_an_intact_checkpoint(crash_trials)
     assert reference["code"] == 0
     expected = dict(reference["losses"])
     assert sorted(expected) == list(range(1, 11))
-    assert [t["mode"] for t in crash_trials["trials"]] == ["fork"] * 3 + ["persistent"]
+    assert [(t["mode"], t["seed"]) for t in crash_trials["trials"]] == [("fork", 0)]
     for trial in crash_trials["trials"]:
         name = f"{trial['mode']} seed {trial['seed']}"
         killed = trial["killed"]
@@ -177,3 +150,5 @@ def test_kill_during_async_saves_resumes_from_an_intact_checkpoint(crash_trials)
         for it, loss in losses:
             assert loss == pytest.approx(expected[it], rel=1e-6, abs=1e-7), f"{name}: step {it}"
         assert trial["adapter"] == reference["adapter"], name  # bitwise the same adapter
+    (row,) = crash_trials["rows"]  # the benchmark's own verdict agrees
+    assert row["resumed_from_newest_intact"] and row["adapter_equal"] and row["each_step_once"]

@@ -1,17 +1,21 @@
+#!/usr/bin/env python
 """Kill a fine-tuning run at random moments of its asynchronous checkpoint saves, resume it, and
-report what happened (for tests/e2e/test_resilience.py).
+check that the resume started from an intact checkpoint and reproduced the uninterrupted run.
 
-    python -m tests.helpers.crash_trials --base DIR --out DIR --seeds 0 1 2 [--persistent]
+    python tools/bench/crash_trials.py --json runs/bench/crash_trials.json --seeds 0 1 2 3 4 \
+        --persistent [--base DIR]
 
-(``--persistent``: one more trial, with the first seed, on Megatron's persistent writer.)
+(``--persistent``: one more trial, with the first seed, on Megatron's persistent writer; without
+``--base`` a tiny base checkpoint is made first.) tests/e2e/test_resilience.py runs one seed.
 
 One process imports everything once; each run is a fork of it (one rank, a gloo group of one),
 so a trial costs seconds, not an import. For each seed the run saves every step; once a save is
 in flight (an ``iter_*.tmp`` exists) and a random 0-40 ms later, the whole process group (the
 trainer, its forked or persistent checkpoint writer, the writer's own children) gets SIGKILL.
-The same command then resumes and finishes. The report (JSON on stdout) holds, per trial, the
-losses by iteration, where the kill fell and what the resume started from, and the uninterrupted
-reference run's losses and adapter digest.
+The same command then resumes and finishes. The table has a row per trial: where the kill fell,
+what the resume started from, the largest loss difference against the uninterrupted reference
+run of the same invocation, and whether the final adapters are bitwise equal. The JSON holds the
+rows and, per trial, the losses by iteration.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import random
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -138,18 +143,72 @@ def run(base: Path, root: Path, seeds: list[int], persistent: bool) -> dict:
     return report
 
 
+def make_base(root: Path) -> Path:
+    """One full-training step of the tiny model on the shipped corpus, saved as a base."""
+    base = root / "base"
+    code = _wait(_start([*FLAGS[:FLAGS.index("--save-interval")], "--finetune-mode", "full",
+                         "--data-format", "pretrain", "--train-iters", "1", "--output-dir",
+                         str(root / "base-run"), "--save-base", str(base)], root / "base.log"))
+    if code != 0:
+        sys.exit(f"making the base checkpoint failed (exit {code}); see {root / 'base.log'}")
+    return base
+
+
+def rows(report: dict) -> list[dict]:
+    """One row per trial, judged against the reference run."""
+    expected = dict(report["reference"]["losses"])
+    out = []
+    for trial in report["trials"]:
+        killed, resumed = trial["killed"], trial["resumed"]
+        start = resumed.split("resumed from ")[1].split()[0] if resumed else None
+        losses = trial["losses"]
+        in_order = [it for it, _ in losses] == sorted(expected)
+        diff = max((abs(loss - expected[it]) for it, loss in losses if it in expected),
+                   default=float("nan"))
+        out.append({
+            "mode": trial["mode"], "seed": trial["seed"], "exit_code": trial["code"],
+            "killed_during": killed["during"] if killed else None,
+            "kill_delay_ms": 1000 * killed["delay_s"] if killed else None,
+            "resumed_from": Path(start).name if start else None,
+            "resumed_from_newest_intact": bool(killed and start and killed["intact"]
+                                               and Path(start).name == killed["intact"][-1]),
+            "each_step_once": in_order, "max_abs_loss_diff": diff,
+            "adapter_equal": trial["adapter"] == report["reference"]["adapter"]})
+    return out
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--base", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    parser.add_argument("--json", required=True, help="write the results here")
+    parser.add_argument("--base", help="a base checkpoint of the tiny model (made if not given)")
+    parser.add_argument("--work", help="keep the runs here (a temporary directory if not given)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--persistent", action="store_true",
                         help="also with Megatron's persistent checkpoint worker")
     args = parser.parse_args()
+    if args.base and not os.path.isdir(args.base):
+        parser.error(f"--base {args.base} is not a directory")
     import megatron_slmoe.training.finetune  # noqa: F401  (imported once, before the forks)
 
-    report = run(Path(args.base), Path(args.out), args.seeds, args.persistent)
-    print(json.dumps(report))
+    with tempfile.TemporaryDirectory(prefix="slmoe-crash-trials-") as temp:
+        root = Path(args.work or temp)
+        root.mkdir(parents=True, exist_ok=True)
+        base = Path(args.base) if args.base else make_base(root)
+        report = run(base, root, args.seeds, args.persistent)
+    report["rows"] = rows(report)
+    print(f"kill -9 during asynchronous saves, {ITERS} steps saving every step, against the "
+          f"uninterrupted run (reference exit {report['reference']['code']})")
+    print(f"{'mode':<12}{'seed':>5}{'killed during':>16}{'+ms':>6}{'resumed from':>16}"
+          f"{'newest intact':>15}{'max |dloss|':>13}{'adapter equal':>15}")
+    for r in report["rows"]:
+        print(f"{r['mode']:<12}{r['seed']:>5}{r['killed_during']!s:>16}"
+              f"{(r['kill_delay_ms'] or 0):>6.0f}{r['resumed_from']!s:>16}"
+              f"{r['resumed_from_newest_intact']!s:>15}{r['max_abs_loss_diff']:>13.2e}"
+              f"{r['adapter_equal']!s:>15}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    from megatron_slmoe.utils.atomic import write_json_atomic
+
+    write_json_atomic(args.json, {"benchmark": "crash_trials", "settings": vars(args), **report})
 
 
 if __name__ == "__main__":
