@@ -24,7 +24,7 @@ from megatron_slmoe.lora.base import (
     new_param,
 )
 from megatron_slmoe.moe.experts import LatentSwiGLUExperts
-from megatron_slmoe.ops.lora_expert import lora_grouped_linear
+from megatron_slmoe.ops.lora_expert import expert_activation, lora_grouped_linear
 
 # --- routed experts ------------------------------------------------------------------------------
 
@@ -98,10 +98,9 @@ class LoRALatentSwiGLUExperts(LoRAModule, LatentSwiGLUExperts):
     def forward(self, rows_RL: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                 probs_R: torch.Tensor) -> torch.Tensor:
         counts = tokens_per_expert_E.to(device="cpu", dtype=torch.int64)
-        h_RF2 = self._projection("fc1", rows_RL, counts)
-        gate_RF, up_RF = h_RF2.chunk(2, dim=-1)
-        act_RF = F.silu(gate_RF) * up_RF * probs_R.unsqueeze(-1).to(up_RF.dtype)
-        return self._projection("fc2", act_RF, counts)
+        act_RF = expert_activation(self._projection("fc1", rows_RL, counts),
+                                   self.config.activation_func, self.config.gated_linear_unit)
+        return self._projection("fc2", act_RF * probs_R.unsqueeze(-1).to(act_RF.dtype), counts)
 
     def lora_pieces(self):
         pieces = []

@@ -168,6 +168,19 @@ class LoRAGroupedWeights(NamedTuple):
     lora_b: torch.Tensor  # [E, d_out, r]
 
 
+def expert_activation(h_TH: torch.Tensor, activation_func=F.silu, gated: bool = True) -> torch.Tensor:
+    """fc1's output -> fc2's input of an expert MLP: ``act(gate) * up`` for a gated linear unit
+    (fc1 rows ``[gate; up]``, gate first as in Megatron's linear_fc1), ``act(h)`` for a non-gated
+    one (e.g. squared ReLU: Megatron's ``gated_linear_unit=False`` with ``squared_relu``)."""
+    if not gated:
+        return activation_func(h_TH)
+    if h_TH.shape[-1] % 2:
+        raise ValueError(f"a gated expert's fc1 must output gate|up (an even size), got "
+                         f"{h_TH.shape[-1]}")
+    gate_TF, up_TF = h_TH.chunk(2, dim=-1)
+    return activation_func(gate_TF) * up_TF
+
+
 def lora_expert_mlp(
     x_TD: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
@@ -175,16 +188,12 @@ def lora_expert_mlp(
     fc2: LoRAGroupedWeights,
     scaling: float,
     dropout: float = 0.0,
+    activation_func=F.silu,
+    gated: bool = True,
 ) -> torch.Tensor:
-    """SwiGLU expert MLP on expert-grouped rows, each projection with its own LoRA.
-
-    fc1 maps d -> 2F with gate and up concatenated on the output dim (gate first, as Megatron's
-    gated linear unit); fc2 maps F -> d.
-    """
-    d_ff2 = fc1.weight.shape[1]
-    if d_ff2 % 2:
-        raise ValueError(f"lora_expert_mlp: fc1 must output gate|up (an even size), got {d_ff2}")
-    h_TF2 = lora_grouped_linear(x_TD, *fc1, tokens_per_expert_E, scaling, dropout)
-    gate_TF, up_TF = h_TF2.chunk(2, dim=-1)
-    act_TF = F.silu(gate_TF) * up_TF
+    """Expert MLP on expert-grouped rows, each projection with its own LoRA: SwiGLU by default
+    (fc1 maps d -> 2F, gate|up), or non-gated (fc1 maps d -> F) with ``gated=False``; fc2 maps
+    F -> d. The activation is :func:`expert_activation`."""
+    h_TH = lora_grouped_linear(x_TD, *fc1, tokens_per_expert_E, scaling, dropout)
+    act_TF = expert_activation(h_TH, activation_func, gated)
     return lora_grouped_linear(act_TF, *fc2, tokens_per_expert_E, scaling, dropout)

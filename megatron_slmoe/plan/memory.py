@@ -136,7 +136,7 @@ def _lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> t
     r, tp, d = settings.lora_rank, settings.tp, shape.hidden
     targets = set(settings.lora_targets)
     dense = 0
-    if "linear_qkv" in targets:  # A [r, d] replicated, B [qkv/tp, r]
+    if "linear_qkv" in targets and shape.mla is None:  # A [r, d] replicated, B [qkv/tp, r]
         dense += r * d + (shape.heads + 2 * shape.query_groups) * shape.kv_channels // tp * r
     if "linear_proj" in targets:  # A [r, hc/tp], B [d, r]
         dense += r * shape.attention_width // tp + d * r
@@ -155,8 +155,8 @@ def _lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> t
         dense += r * d + fc1_out * shape.shared_ffn // tp * r + r * shape.shared_ffn // tp + d * r
     width, f = shape.expert_width, shape.expert_ffn
     per_expert = 0
-    if "linear_fc1" in targets:  # A [r, l], B [2f, r]
-        per_expert += r * width + 2 * f * r
+    if "linear_fc1" in targets:  # A [r, l], B [2f (gated) or f, r]
+        per_expert += r * width + fc1_out * f * r
     if "linear_fc2" in targets:  # A [r, f], B [l, r]
         per_expert += r * f + width * r
     return dense, per_expert * (shape.experts // settings.ep)

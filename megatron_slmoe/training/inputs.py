@@ -2,9 +2,9 @@
 before torchrun) and by every run at start-up. Each problem is one ConfigError line naming the
 flag and the file.
 
-What is checked: the files the run names exist; the model config; the tokenizer against the
-model's vocabulary, the base checkpoint's and the starting adapter's tokenizer; the sequence
-length against the model; the base checkpoint (present, complete: its manifest's sizes, its model
+What is checked: the files the run names exist; the model config (or the --hf-checkpoint); the
+tokenizer against the model's vocabulary, the base checkpoint's and the starting adapter's
+tokenizer; the sequence length against the model; the base checkpoint (present, complete: its manifest's sizes, its model
 config); the starting adapter (readable, same LoRA rank/alpha/targets, same base model); the data
 files (not empty, not mostly malformed); the output directory (a run there is resumed only with
 the settings it was started with; a finished one is reported, not redone); the memory planner's
@@ -30,8 +30,12 @@ class RunFinished(Exception):
 
 
 def check_inputs(run: RunConfig, world_size: int, platform) -> None:
+    from megatron_slmoe.training.model_setup import open_model
+
     _check_paths(run)
-    model_config = load_model_config(run.model.config)
+    # With --hf-checkpoint: config.json, the index and every shard's header, and (unless
+    # --no-hf-shape-check) every tensor's shape against config.json.
+    model_config, _ = open_model(run.model, check_shapes=run.model.hf_shape_check)
     tokenizer = _check_tokenizer(run, model_config)
     _check_base_checkpoint(run, model_config, tokenizer)
     _check_adapter_init(run, model_config, tokenizer)
@@ -40,12 +44,22 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     _check_memory(run, world_size, platform, model_config)
 
 
+def tokenizer_path(run: RunConfig) -> str:
+    """The run's tokenizer: --tokenizer, else the --hf-checkpoint directory's, else the shipped
+    one."""
+    from megatron_slmoe.data.assets import asset_path
+
+    return run.data.tokenizer or run.model.hf_checkpoint or asset_path("tokenizer.json")
+
+
 def _check_paths(run: RunConfig) -> None:
     model, data = run.model, run.data
     for flag, path in (("--base-checkpoint", model.base_checkpoint),
                        ("--adapter-init", model.adapter_init), ("--tokenizer", data.tokenizer)):
         if path and not os.path.exists(path):
             raise ConfigError(f"{flag} {path}: no such file or directory")
+    if model.hf_checkpoint and not os.path.isdir(model.hf_checkpoint):
+        raise ConfigError(f"--hf-checkpoint {model.hf_checkpoint}: no such directory")
     if data.format == "instruction":
         for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
             if path and not os.path.isfile(path):
@@ -53,8 +67,8 @@ def _check_paths(run: RunConfig) -> None:
 
 
 def _check_tokenizer(run: RunConfig, model_config):
-    """The run's tokenizer, checked against the sequence length and vocabulary of the model."""
-    from megatron_slmoe.data.assets import asset_path
+    """The run's tokenizer (``tokenizer_path``), checked against the sequence length and
+    vocabulary of the model."""
     from megatron_slmoe.data.errors import DataError
     from megatron_slmoe.data.tokenizer import load_tokenizer
 
@@ -64,9 +78,11 @@ def _check_tokenizer(run: RunConfig, model_config):
                           f"max_sequence_length {model_config.max_sequence_length} "
                           f"({model_config.source})")
     try:
-        tokenizer = load_tokenizer(data.tokenizer or asset_path("tokenizer.json"))
+        tokenizer = load_tokenizer(tokenizer_path(run))
     except DataError as err:
-        raise ConfigError(f"--tokenizer: {err}") from None
+        flag = "--tokenizer" if data.tokenizer or not run.model.hf_checkpoint else \
+            "--hf-checkpoint (its tokenizer; or pass --tokenizer)"
+        raise ConfigError(f"{flag}: {err}") from None
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ConfigError(f"--tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more "
                           f"than the model's vocab_size {model_config.vocab_size}")

@@ -22,41 +22,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.entry_point import REPO
+from tests.helpers.entry_point import losses as _losses
+from tests.helpers.entry_point import records as _records
+from tests.helpers.entry_point import torchrun as _torchrun
 from tests.helpers.ranks import run_ranks
 
-REPO = Path(__file__).resolve().parents[2]
 COMMON = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size", "8",
           "--micro-batch-size", "2", "--lr", "1e-3", "--lr-warmup-iters", "2", "--eval-iters", "1",
           "--eval-interval", "1000", "--log-interval", "5", "--lora-rank", "4", "--fp32",
           "--no-tensorboard"]
-
-
-def _torchrun(nproc: int, args: list[str], wait: bool = True, restarts: int = 0,
-              env: dict | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
-           "-m", "megatron_slmoe.training.finetune", *args]
-    # pytorch#135712: the launcher sets this too, so that a restarted group meets afresh
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env=env,
-                            preexec_fn=lambda: os.umask(0))  # outputs must still not be o+w
-    if not wait:
-        return proc
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    """Iteration -> loss (each iteration is in metrics.jsonl once, even across resumes)."""
-    steps = [r for r in _records(run_dir) if "event" not in r]
-    assert [r["iteration"] for r in steps] == sorted({r["iteration"] for r in steps})
-    return {r["iteration"]: r["loss"] for r in steps}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.helpers.runs import make_tiny_base
+from tests.helpers.entry_point import make_tiny_base
 
 
 @pytest.fixture(scope="session")

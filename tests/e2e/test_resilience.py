@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import REPO, TINY, restart_env, torchrun_command
+from tests.helpers.entry_point import REPO, TINY, restart_env, torchrun_command
 
 HEARTBEAT_TIMEOUT = 10
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import TINY
+from tests.helpers.entry_point import TINY
 
 REPO = Path(__file__).resolve().parents[2]
 

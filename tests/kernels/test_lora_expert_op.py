@@ -192,9 +192,13 @@ def test_no_rows_and_rank_zero(device):
     torch.testing.assert_close(dx, dx_ref)
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "squared_relu"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_expert_mlp_matches_composed_references(device, dtype):
+def test_expert_mlp_matches_composed_references(device, dtype, gated):
+    from megatron.core.activations import squared_relu
+
     counts, d, d_ff, r = [40, 0, 61, 1], 48, 40, 8
+    fc1_rows = 2 * d_ff if gated else d_ff
     g = torch.Generator().manual_seed(1)
     E, T = len(counts), sum(counts)
 
@@ -202,19 +206,25 @@ def test_expert_mlp_matches_composed_references(device, dtype):
         t = torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5
         return t.to(device, dtype).requires_grad_()
 
-    fc1 = LoRAGroupedWeights(rand(E, 2 * d_ff, d).detach(), rand(E, r, d), rand(E, 2 * d_ff, r))
+    fc1 = LoRAGroupedWeights(rand(E, fc1_rows, d).detach(), rand(E, r, d), rand(E, fc1_rows, r))
     fc2 = LoRAGroupedWeights(rand(E, d, d_ff).detach(), rand(E, r, d_ff), rand(E, d, r))
     x = rand(T, d)
     tpe = torch.tensor(counts)
     trainable = (x, fc1.lora_a, fc1.lora_b, fc2.lora_a, fc2.lora_b)
 
-    y = lora_expert_mlp(x, tpe, fc1, fc2, SCALING)
+    if gated:
+        y = lora_expert_mlp(x, tpe, fc1, fc2, SCALING)
+    else:
+        y = lora_expert_mlp(x, tpe, fc1, fc2, SCALING, activation_func=squared_relu, gated=False)
     grads = torch.autograd.grad(y.sum(), trainable)
 
     def composed(x, fc1, fc2):
         h = lora_grouped_linear_reference(x, *fc1, tpe, SCALING)
-        gate, up = h[:, :d_ff], h[:, d_ff:]
-        return lora_grouped_linear_reference(torch.nn.functional.silu(gate) * up, *fc2, tpe, SCALING)
+        if gated:
+            act = torch.nn.functional.silu(h[:, :d_ff]) * h[:, d_ff:]
+        else:
+            act = torch.relu(h).pow(2)
+        return lora_grouped_linear_reference(act, *fc2, tpe, SCALING)
 
     as64 = [t.detach().double().requires_grad_() for t in trainable]
     fc1_64 = LoRAGroupedWeights(fc1.weight.double(), as64[1], as64[2])

@@ -37,6 +37,55 @@ def test_census_from_config_equals_meta_census(megatron_single_rank, name):
     assert census(load_shape(name)) == count_parameters(load_model_config(name))
 
 
+# Imported Hugging Face families bring multi-latent attention (with and without the q compression)
+# and non-gated squared-ReLU experts; shapes as DeepSeek-V3 / NemotronH give them.
+_HF_SHAPED = """\
+model:
+  num_layers: 3
+  moe_layer_freq: [0, 1, 1]
+  hidden_size: 32
+  ffn_hidden_size: 48
+  num_attention_heads: 4
+  normalization: RMSNorm
+  gated_linear_unit: {gated}
+  activation_func: {activation}
+  num_moe_experts: 4
+  moe_router_topk: 2
+  moe_ffn_hidden_size: 16
+  moe_shared_expert_intermediate_size: 24
+  vocab_size: 64
+  max_sequence_length: 64
+{attention}"""
+_MLA = """\
+  multi_latent_attention: true
+  q_lora_rank: {q_lora_rank}
+  kv_lora_rank: 8
+  qk_head_dim: 8
+  qk_pos_emb_head_dim: 4
+  v_head_dim: 6
+  qk_layernorm: true
+  rope_type: rope
+"""
+
+
+@pytest.mark.parametrize("case", ["mla-q-lora", "mla-no-q-lora", "squared-relu-experts"])
+def test_census_of_hf_shaped_configs_equals_meta_census(megatron_single_rank, tmp_path, case):
+    from megatron_slmoe.model.census import count_parameters
+    from megatron_slmoe.model.config import load_model_config
+
+    if case == "squared-relu-experts":
+        fields = dict(gated="false", activation="squared_relu",
+                      attention="  num_query_groups: 2\n  kv_channels: 8\n  qk_layernorm: true\n"
+                                "  moe_latent_size: 16\n")
+    else:
+        q_lora_rank = 16 if case == "mla-q-lora" else "null"
+        fields = dict(gated="true", activation="silu",
+                      attention=_MLA.format(q_lora_rank=q_lora_rank))
+    path = tmp_path / f"{case}.yaml"
+    path.write_text(_HF_SHAPED.format(**fields))
+    assert census(load_shape(path)) == count_parameters(load_model_config(path))
+
+
 def test_flagship_weights_are_5p6_tb_in_bf16():
     total = census(load_shape("flagship_2p8t"))["total_params"]
     assert total == 2_802_090_168_320
