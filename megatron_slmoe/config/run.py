@@ -134,8 +134,8 @@ class MoERunConfig(Section):
         help="ranks per node for the hierarchical all-to-all (default: LOCAL_WORLD_SIZE)")
     overlap_chunks: Optional[int] = setting(
         None, flag="--moe-overlap-chunks",
-        help="overlap the flat all-to-all with expert compute over this many token chunks "
-             "(default: the model config's, 1 = no overlap)")
+        help="overlap the all-to-all (flat or hierarchical) with expert compute over this many "
+             "token chunks, forward and backward (default: the model config's, 1 = no overlap)")
 
     def validate(self) -> None:
         from megatron_slmoe.moe.dispatch import DISPATCHERS

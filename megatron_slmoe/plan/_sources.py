@@ -12,6 +12,7 @@ from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.lora.targets import TARGETS as LORA_TARGETS
 from megatron_slmoe.model.config import ModelConfig, load_model_config
 from megatron_slmoe.moe.dispatch.alltoall import (
+           expected_rows_per_destination,
            flat_traffic_rows,
            hierarchical_traffic_rows,
 )
@@ -20,5 +21,6 @@ MLA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MLATransformerConf
                 if f.name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                               "v_head_dim")}
 
-__all__ = ["ConfigError", "LORA_TARGETS", "MLA_DEFAULTS", "ModelConfig", "flat_traffic_rows",
+__all__ = ["ConfigError", "LORA_TARGETS", "MLA_DEFAULTS", "ModelConfig",
+           "expected_rows_per_destination", "flat_traffic_rows",
            "hierarchical_traffic_rows", "load_model_config"]

@@ -4,6 +4,7 @@ rules, the flagship on three clusters, an infeasible cluster with the smallest t
 start-up check, and one-line bad input."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -189,7 +190,10 @@ def test_alltoall_bytes_follow_the_dispatcher_rules():
     tokens = 512
     s = RunSettings(tp=8, pp=8, ep=16, dp=8, devices_per_node=8)
     intra, inter = alltoall_bytes_per_layer(shape, s, tokens)
-    rows_per_rank = tokens * 16 / 16  # k rows per token, spread over 16 ranks
+    # A token goes once to each rank holding one of its 16 experts. A rank holds half of one of
+    # the 8 groups; the token picks 4 groups, then its experts among their 448.
+    p_rank = 4 / 8 * (1 - math.comb(448 - 56, 16) / math.comb(448, 16))
+    rows_per_rank = tokens * p_rank
     row = 3072 * 2  # latent width, bf16
     # 7 other ranks on this node, 8 on the other node; dispatch and combine.
     assert intra == pytest.approx(2 * 7 * rows_per_rank * row)
