@@ -154,6 +154,12 @@ class Trainer:
         self.config.finalize_model_grads_func = self.step_times.timed_grad_sync(
             self.config.finalize_model_grads_func)
         self.attempt = begin_attempt(self.output_dir)
+        # torchrun counts restarts per node, and only the node whose worker failed counts one:
+        # a node restarted because another node's agent re-formed the group stays at 0.
+        count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))],
+                             device=self.platform.device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        self.restart_count = int(count.item())
         self.attempt.started(node_name())
         self.heartbeat = None
 
@@ -369,7 +375,7 @@ class Trainer:
         self.writer = MetricsWriter(self.output_dir, tensorboard=self.run_config.output.tensorboard,
                                     start_iteration=iteration)
         previous = self.attempt.previous
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        restart = self.restart_count
         if previous is None and not resume_from:
             return
         event = "restart" if restart else "resume"
