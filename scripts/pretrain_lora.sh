@@ -21,7 +21,13 @@
 #                   NODE_RANK, if set, only names the log (torchrun assigns the ranks).
 #   LOCAL_ADDR      this node's address for the other nodes (torchrun --local-addr; default its
 #                   FQDN): set it where the host name does not resolve to the routable address
-#   MAX_RESTARTS    torchrun restarts of failed workers (default 0)
+#   MAX_RESTARTS    torchrun's restart budget (default 3): when a rank dies or hangs (see
+#                   --heartbeat-timeout) every rank of the job is restarted and resumes from the
+#                   newest intact checkpoint, up to this many times; 0 ends the job at the first
+#                   failure. Restarts need every node's torchrun to see the failure: use a c10d
+#                   rendezvous (RDZV_ENDPOINT) on several nodes. The launcher sets
+#                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (unless set): with torchrun's shared store a
+#                   restarted group can read the previous attempt's addresses (pytorch#135712).
 #   TORCHRUN        the torchrun command (default: torchrun of the environment)
 #   Single node without MASTER_ADDR or RDZV_ENDPOINT: torchrun --standalone (a free port).
 # Network: NETWORK_PROFILE=ib|roce|hccl sources scripts/network/<profile>.sh (NCCL_*/HCCL_*
@@ -33,7 +39,11 @@
 #   SLMOE_PREFLIGHT_ARGS (e.g. "--size-mb 256 --p2p-time-budget 30").
 # Logs: each node appends its output to <output dir>/node<NODE_RANK>.log (runs/logs/ without
 #   --output-dir), and prints it too.
-# Settings: the variables of the arrays below (MODEL_CONFIG or HF_CHECKPOINT, TP, EP, LORA_RANK, ...);
+# Stopping: SIGTERM, SIGINT or SIGHUP to this launcher stops torchrun and its workers (they run in
+#   sessions of their own); if the launcher is killed outright, a watchdog stops torchrun, and a
+#   worker whose torchrun is gone exits by itself.
+# Settings: the variables of the arrays below (MODEL_CONFIG or HF_CHECKPOINT, TP, EP, LORA_RANK,
+#   TRAIN_ITERS, ...);
 #   unset ones leave the entry point's default, shown in brackets. With no flags at all the demo
 #   runs, on these settings plus its own.
 # Demo only: SLMOE_DEMO_DIR (default runs/demo, runs/demo-image-text for the multimodal demo),
@@ -45,18 +55,26 @@ cd "$(dirname "$0")/.."
 
 # --- launcher flags -----------------------------------------------------------------------------
 DRY_RUN=0
+HELP=0
 PREFLIGHT=${SLMOE_PREFLIGHT:-1}
 EXTRA_ARGS=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
         --no-preflight) PREFLIGHT=0 ;;
+        -h|--help) HELP=1 ;;
         *) EXTRA_ARGS+=("$arg") ;;
     esac
 done
 
 . scripts/lib/env.sh
 slmoe_ensure_env
+
+if [ "$HELP" = 1 ]; then  # this header, then the entry point's flags; nothing is started or written
+    sed -n '2,/^set -euo pipefail/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+    echo
+    exec python -m megatron_slmoe.training.finetune --help
+fi
 
 # --- where ranks run ----------------------------------------------------------------------------
 NNODES=${NNODES:-1}
@@ -84,7 +102,9 @@ else
     DISTRIBUTED_ARGS+=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
 slmoe_opt DISTRIBUTED_ARGS --local-addr "${LOCAL_ADDR:-}"
-slmoe_opt DISTRIBUTED_ARGS --max-restarts "${MAX_RESTARTS:-}"
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+slmoe_require_int MAX_RESTARTS "$MAX_RESTARTS" 0
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 # --- network profile ----------------------------------------------------------------------------
 if [ -n "${NETWORK_PROFILE:-}" ]; then
@@ -137,7 +157,7 @@ LORA_ARGS=()
 slmoe_opt LORA_ARGS --lora-rank "${LORA_RANK:-}"                  # [8]
 slmoe_opt LORA_ARGS --lora-alpha "${LORA_ALPHA:-}"                # [16]
 slmoe_opt LORA_ARGS --lora-dropout "${LORA_DROPOUT:-}"            # [0]
-slmoe_opt_words LORA_ARGS --lora-target-modules "${LORA_TARGET_MODULES:-}"  # [qkv proj fc1 fc2]
+slmoe_opt_words LORA_ARGS --lora-target-modules "${LORA_TARGET_MODULES:-}"  # [linear_qkv linear_proj linear_fc1 linear_fc2]
 slmoe_opt LORA_ARGS --adapter-init "${ADAPTER_INIT:-}"            # [fresh LoRA weights]
 
 DATA_ARGS=()
@@ -173,9 +193,12 @@ ENV_SHOWN=0
 PREFLIGHT_DONE=0
 finetune() {
     local args=("${SETTINGS[@]}" "$@")
-    # Reject bad arguments once, in one line, before any process group is formed.
+    # Reject bad arguments once, in one line, before any process group is formed; a run that
+    # has already finished says so (exit code 3) and nothing starts.
+    local checked=0
     WORLD_SIZE=$((NPROC_PER_NODE * NNODES)) python -m megatron_slmoe.training.finetune \
-        --validate-only "${args[@]}" || exit $?
+        --validate-only "${args[@]}" || checked=$?
+    if [ "$checked" = 3 ]; then return 0; elif [ "$checked" != 0 ]; then exit "$checked"; fi
     local log_dir node log rc=0
     log_dir=$(slmoe_last_value --output-dir "${args[@]}")
     log_dir=${log_dir:-runs/logs}
@@ -190,7 +213,7 @@ finetune() {
         preflight_args=("$TORCHRUN" "${pf_dist[@]}" -m megatron_slmoe.preflight
                         --report "$log_dir/preflight.json" "${extra_pf[@]}" -- "${args[@]}")
     fi
-    local train_dist=("${DISTRIBUTED_ARGS[@]}")
+    local train_dist=("${DISTRIBUTED_ARGS[@]}" --max-restarts "$MAX_RESTARTS")  # not the preflight's
     if [ -n "${RDZV_ENDPOINT:-}" ]; then train_dist+=(--rdzv-id "$RDZV_ID"); fi
     local train=("$TORCHRUN" "${train_dist[@]}" -m megatron_slmoe.training.finetune "${args[@]}")
 
@@ -214,14 +237,14 @@ finetune() {
     mkdir -p "$log_dir"
     echo "[launch] $(date '+%F %T') node ${node} of $NNODES on $(hostname): $NPROC_PER_NODE processes; log $log" | tee -a "$log"
     if [ ${#preflight_args[@]} -gt 0 ]; then
-        "${preflight_args[@]}" 2>&1 | tee -a "$log" || rc=$?
+        slmoe_run_logged "$log" "${preflight_args[@]}" || rc=$?
         if [ "$rc" != 0 ]; then
             echo "error: preflight failed on node $node (exit $rc; its reason is above and in $log); skip it with --no-preflight" >&2
             exit "$rc"
         fi
         PREFLIGHT_DONE=1
     fi
-    "${train[@]}" 2>&1 | tee -a "$log" || rc=$?
+    slmoe_run_logged "$log" "${train[@]}" || rc=$?
     return "$rc"
 }
 

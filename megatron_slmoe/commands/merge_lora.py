@@ -1,17 +1,20 @@
 """Fold a LoRA adapter into its base model and save the merged model as a Megatron dist checkpoint.
 
     slmoe-merge-lora --base-checkpoint runs/demo/base --adapter runs/demo/lora/adapter \\
-        --config tiny --output runs/demo/merged
+        --output runs/demo/merged
 
-The model is built as ``megatron_slmoe.model.build.build_gpt_model`` builds it, in one process
+The model config is the one the base checkpoint records (its ``model_config.yaml`` or
+``model_config.txt``), else the adapter's; ``--config``, if given, must name the same model. The
+model is built as ``megatron_slmoe.model.build.build_gpt_model`` builds it, in one process
 (TP = PP = EP = 1, a one-rank gloo group), the base dist checkpoint is loaded into it, the adapter
-is loaded (``load_adapter``; its recorded base model config name must match ``--config``) and
-merged (W += alpha/r * B A, per expert too), and ``model.sharded_state_dict()`` is saved with
+is loaded (``load_adapter``; its recorded base model config and tokenizer must match the base's)
+and merged (W += alpha/r * B A, per expert too), and ``model.sharded_state_dict()`` is saved with
 Megatron's dist checkpointing into a temporary directory next to ``--output`` that is moved into
 place only when complete. The result loads like any base checkpoint of that config, in any layout.
 
-Bad input (missing or unreadable checkpoint, adapter, config; an adapter for another model; an
-existing non-empty output) is one line on stderr and exit code 2.
+Bad input (missing or unreadable checkpoint, adapter, config; a --config or an adapter for
+another model or tokenizer; an existing non-empty output) is one line on stderr and exit code 2,
+before anything is built.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Megatron dist checkpoint directory of the base model")
     parser.add_argument("--adapter", required=True,
                         help="adapter directory (adapter_config.json, adapter_model.safetensors)")
-    parser.add_argument("--config", required=True,
-                        help="model YAML file or packaged config name (tiny, flagship_2p8t)")
+    parser.add_argument("--config", default=None,
+                        help="model YAML file or packaged config name (default: the one the base "
+                             "checkpoint records; if given, it must name the same model)")
     parser.add_argument("--output", required=True,
                         help="directory for the merged dist checkpoint (must not exist, or be empty)")
     return parser.parse_args(argv)
@@ -73,17 +77,12 @@ def merge(args: argparse.Namespace) -> str:
     from megatron.core import dist_checkpointing
 
     import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-    from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.lora.adapter import AdapterError, load_adapter, merge_lora
     from megatron_slmoe.model.build import build_gpt_model
-    from megatron_slmoe.model.config import load_model_config
     from megatron_slmoe.platform.single_rank import init_single_rank
     from megatron_slmoe.utils.atomic import atomic_directory
 
-    try:
-        model_config = load_model_config(args.config)
-    except ConfigError as err:
-        raise BadInput(_one_line(err)) from None
+    model_config, by_name = _model_config(args)
     try:
         init_single_rank()
     except RuntimeError as err:  # a process with model parallelism already set up
@@ -100,7 +99,11 @@ def merge(args: argparse.Namespace) -> str:
         raise BadInput(f"cannot load base checkpoint {args.base_checkpoint} as model config "
                        f"{model_config.name}: {_load_error(err)}") from None
     try:
-        load_adapter(model, args.adapter, base_info={"model_config": model_config.name})
+        # The adapter records its base model's config by name; a model file the base carries
+        # is named after the file, so then the tensors' shapes are the check.
+        names = {"model_config": model_config.name} if by_name else {}
+        load_adapter(model, args.adapter,
+                     base_info={**names, **_tokenizer_info(args.base_checkpoint)})
     except AdapterError as err:
         raise BadInput(_one_line(err)) from None
     merge_lora(model)
@@ -108,6 +111,48 @@ def merge(args: argparse.Namespace) -> str:
     with atomic_directory(output) as staging:  # ``output`` is absent or empty (checked above)
         dist_checkpointing.save(model.sharded_state_dict(), staging)
     return output
+
+
+def _model_config(args: argparse.Namespace):
+    """(the model to build, whether it was chosen by name): what the base checkpoint records,
+    else what the adapter records; ``--config`` must agree with the base's record."""
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.lora.adapter import AdapterError, read_adapter_config
+    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.training.checkpointing import recorded_model_config
+    from megatron_slmoe.training.inputs import check_base_model
+
+    chosen = args.config or recorded_model_config(args.base_checkpoint)
+    if chosen is None:
+        try:
+            chosen = read_adapter_config(args.adapter)[1].get("model_config")
+        except AdapterError as err:
+            raise BadInput(_one_line(err)) from None
+    if chosen is None:
+        raise BadInput(f"--base-checkpoint {args.base_checkpoint} and --adapter {args.adapter} "
+                       f"record no model config: pass --config")
+    try:
+        model_config = load_model_config(chosen)
+        check_base_model(args.base_checkpoint, model_config,
+                         f"--base-checkpoint {args.base_checkpoint}")
+    except ConfigError as err:
+        raise BadInput(_one_line(err)) from None
+    return model_config, not os.path.isfile(chosen) or chosen == args.config
+
+
+def _tokenizer_info(base: str) -> dict:
+    """The base's tokenizer as an adapter records it (nothing when the base records none)."""
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.training.checkpointing import BASE_TOKENIZER
+
+    path = os.path.join(base, BASE_TOKENIZER)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        return {"tokenizer_sha256": load_tokenizer(path).fingerprint}
+    except DataError as err:
+        raise BadInput(_one_line(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,7 +61,8 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         help="print the resolved run configuration as YAML and exit")
     parser.add_argument("--validate-only", action="store_true",
                         help="check the configuration and the files it names, then exit (the "
-                             "launcher does this before torchrun)")
+                             "launcher does this before torchrun): 0 ready, 2 bad input, 3 the "
+                             "run in --output-dir has finished")
     for section, cls in RunConfig.sections().items():
         group = parser.add_argument_group(section, (cls.__doc__ or "").strip().split("\n")[0])
         for f in settings(cls):

@@ -212,18 +212,27 @@ class DataConfig(Section):
              "--task image-text (default: the shipped demo data); instruction and pretraining "
              "data may be an s3:// / msc:// URL, where one ending in '/' means every *.jsonl (or "
              "every *.idx/*.bin pair) under it, in key order")
-    valid_data: Optional[str] = setting(None, flag="--valid-data",
-                                        help="held-out data (a path or URL, as --train-data)")
+    valid_data: Optional[str] = setting(
+        None, flag="--valid-data",
+        help="held-out data, a path or URL as --train-data (needed with instruction --train-data: "
+             "the shipped demo set is no measure of your task; pretraining data holds out 5%% of "
+             "its documents instead)")
     tokenizer: Optional[str] = setting(
         None, flag="--tokenizer",
         help="tokenizer.json (a path or an s3:// / msc:// URL), or a Hugging Face checkpoint "
              "directory (tokenizer.json with the special tokens and chat template of "
              "tokenizer_config.json) (default: the --hf-checkpoint's, else the shipped one)")
     seq_length: int = setting(128, flag="--seq-length", help="tokens per sample")
+    max_malformed_fraction: float = setting(
+        0.1, flag="--max-malformed-fraction",
+        help="stop when more than this share of an instruction file's records is malformed "
+             "(they are skipped and counted up to it)")
 
     def validate(self) -> None:
         self.check_positive("seq_length")
         check_locations(self, "train_data", "valid_data", "tokenizer")
+        self.check(0.0 <= self.max_malformed_fraction < 1.0, "max_malformed_fraction",
+                   f"must be in [0, 1), got {self.max_malformed_fraction}")
 
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -474,11 +483,45 @@ class OutputConfig(Section):
         "per-expert", flag="--export-hf-layout",
         help="routed experts in the --export-hf adapter: per-expert modules (vLLM) or PEFT "
              "target_parameters on transformers 5's fused 3D expert tensors")
+    async_save: bool = setting(
+        True, flag="--async-save",
+        help="write checkpoints in the background while training continues (Megatron-Core's "
+             "asynchronous dist-checkpoint save; --no-async-save: the loop waits for each)")
+    use_persistent_ckpt_worker: bool = setting(
+        False, flag="--use-persistent-ckpt-worker",
+        help="with --async-save: one long-lived writer process per rank (started at set-up; "
+             "worth it where forking the trainer per save is slow), instead of a fork per save")
 
     def validate(self) -> None:
         self.check_positive("keep_last")
         check_locations(self, "output_dir", "save_base", local_only=True)
         check_locations(self, "output_url", url_only=True)
+        if self.use_persistent_ckpt_worker and not self.async_save:
+            self.fail("use_persistent_ckpt_worker", "needs --async-save")
+
+
+@dataclass(frozen=True)
+class HealthConfig(Section):
+    """Noticing a rank that hangs or lags behind the others."""
+
+    section_name = "health"
+
+    heartbeat_timeout: float = setting(
+        300.0, flag="--heartbeat-timeout",
+        help="seconds a rank may go without finishing a step (or without a heartbeat) before the "
+             "job is stopped, naming it; must cover the slowest step with its evaluation and "
+             "checkpoint; torchrun's restart budget then restarts the job (0: off)")
+    straggler_threshold: float = setting(
+        1.5, flag="--straggler-threshold",
+        help="at each progress line, name a rank whose compute time per step (the step minus "
+             "its wait for the others at the gradient reduction) is this many times the other "
+             "ranks' median, over most steps of the interval (0: off)")
+
+    def validate(self) -> None:
+        self.check_non_negative("heartbeat_timeout")
+        self.check(self.straggler_threshold == 0 or self.straggler_threshold > 1,
+                   "straggler_threshold", f"must be 0 (off) or above 1, got "
+                                          f"{self.straggler_threshold}")
 
 
 @dataclass(frozen=True)
@@ -561,6 +604,7 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     @classmethod
     def sections(cls) -> dict[str, type[Section]]:
@@ -610,3 +654,15 @@ def validate_run(run: RunConfig, world_size: int) -> None:
     if run.image_text.train_vision_tower and run.model.finetune_mode != "full":
         raise ConfigError("--train-vision-tower needs --finetune-mode full (LoRA adapts the "
                           "tower with --lora-target-modules vision_attention)")
+    collective_timeout_s = parallel.distributed_timeout_minutes * 60
+    if run.health.heartbeat_timeout >= collective_timeout_s:
+        raise ConfigError(f"--heartbeat-timeout {run.health.heartbeat_timeout:g} s must be below "
+                          f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes} "
+                          f"({collective_timeout_s} s): a stuck rank is to be named before the "
+                          f"collectives time out")
+    if (run.data.task == "text" and run.data.format == "instruction"
+            and run.data.train_data is not None
+            and run.data.valid_data is None):
+        raise ConfigError(f"--train-data {run.data.train_data} needs --valid-data: without it the "
+                          f"held-out loss would be measured on the shipped demo set, not on "
+                          f"data like yours")

@@ -133,6 +133,15 @@ class Tokenizer:
     def save(self, path: str) -> None:
         write_text_atomic(path, self._tk.to_str(pretty=True) + "\n")
 
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the tokenizer's canonical serialisation: equal for the same vocabulary,
+        merges and special tokens, whatever the file's formatting. Checkpoints and adapters
+        record it so that a run with another tokenizer is refused."""
+        import hashlib
+
+        return hashlib.sha256(self._tk.to_str(pretty=False).encode("utf-8")).hexdigest()
+
     # ---- Megatron-Core duck type -----------------------------------------------------------------
 
     @property

@@ -9,14 +9,15 @@ Layout under ``<output>/checkpoints``::
         MANIFEST.json            every file with its size and SHA-256, written last
     latest                       name of the newest complete checkpoint
 
-Every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 writes the manifest, renames
-the directory into place and then updates ``latest`` (write + rename), so a crash mid-save leaves
-the previous checkpoint as the newest complete one. Loading verifies the manifest and falls back to
-the previous checkpoint, with a warning naming the problem, when one is damaged. Nothing here is
-unpickled: our own state is JSON and safetensors, and Megatron's dist checkpoint loads its common
-state with torch's weights-only unpickler.
+Every rank writes into ``iter_XXXXXXX.tmp`` (its shards possibly in the background, see
+``stage_checkpoint``); once all have written, rank 0 writes the manifest, renames the directory
+into place and then updates ``latest`` (write + rename), so a crash at any moment leaves the
+previous checkpoint as the newest complete one. Loading verifies the manifest and falls back to
+the previous checkpoint, with a warning naming the problem, when one is damaged. Our own state is
+JSON and safetensors; Megatron's dist checkpoint loads its common state with torch's weights-only
+unpickler (torch's own ``.metadata`` file of the format is a plain pickle: load checkpoints you or
+your job wrote).
 """
-
 from __future__ import annotations
 
 import json
@@ -24,18 +25,23 @@ import logging
 import os
 import re
 import shutil
+from functools import partial
 from typing import Any, Optional
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from safetensors.torch import load_file, save_file
 
-from megatron_slmoe.utils.atomic import write_json_atomic, write_text_atomic
+from megatron_slmoe.utils.atomic import fsync_path, write_json_atomic, write_text_atomic
 from megatron_slmoe.utils.manifest import MANIFEST, inventory, sha256_file
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^iter_(\d{7})$")
+_DIGESTS = "digests"  # per-rank shard digests while a checkpoint is staged
 
 
 class CheckpointError(RuntimeError):
@@ -93,40 +99,116 @@ def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
 # --- saving ------------------------------------------------------------------------------------
 
 
-def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, trainer_state: dict,
-                    keep_last: int) -> str:
-    """Write checkpoint ``iteration`` atomically (collective: every rank calls it)."""
+def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, trainer_state: dict,
+                     keep_last: int, *, strategy=None, snapshot_host_tensors: bool = False
+                     ) -> AsyncRequest:
+    """Start checkpoint ``iteration`` (collective: every rank calls it) and return Megatron-Core's
+    ``AsyncRequest`` for the rest.
+
+    Done here, while the loop waits: ``iter_XXXXXXX.tmp`` is staged, the dist checkpoint is
+    planned (its common state written), and the small files (trainer state, RNG) are written. The
+    request's write part stores this rank's shards and records their digests; it runs in the
+    background (``AsyncCheckpointWriter``) or at once (``save_checkpoint``). Its finalize part runs
+    on every rank once all have written: Megatron's metadata, then ``_promote``, which makes the
+    checkpoint the newest. A crash at any moment before the promotion leaves only a ``.tmp`` that
+    nothing trusts and the next save removes.
+
+    ``snapshot_host_tensors``: copy tensors that live in host memory first (a persistent writer
+    process would otherwise read them while training changes them; accelerator tensors are copied
+    to the host by Megatron's preload, and a forked writer sees the fork's own memory).
+    """
     rank = torch.distributed.get_rank()
     name = f"iter_{iteration:07d}"
-    final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
+    tmp = os.path.join(root, name + ".tmp")
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         for stale in os.listdir(root):  # leftovers of a save that crashed
             if stale.endswith(".tmp"):
                 shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "dist"))
-        os.makedirs(os.path.join(tmp, "rng"))
+        for sub in ("dist", "rng", _DIGESTS):
+            os.makedirs(os.path.join(tmp, sub))
     torch.distributed.barrier()
 
     model_sd = trainable_sharded_state_dict(model_chunks)
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
-    dist_checkpointing.save(state, os.path.join(tmp, "dist"))
+    if snapshot_host_tensors:
+        _copy_host_tensors(state)
+    if strategy is None:
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+    request = dist_checkpointing.save(state, os.path.join(tmp, "dist"), sharded_strategy=strategy,
+                                      async_sharded_save=True)
     save_file(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.safetensors"))
     if rank == 0:
-        write_json_atomic(os.path.join(tmp, "trainer_state.json"), {"iteration": iteration, **trainer_state},
-                          sort_keys=True)
-    torch.distributed.barrier()
+        write_json_atomic(os.path.join(tmp, "trainer_state.json"),
+                          {"iteration": iteration, **trainer_state}, sort_keys=True)
+    if request.async_fn is not None:
+        digest_path = os.path.join(tmp, _DIGESTS, f"rank_{rank:05d}.json")
+        request = request._replace(async_fn=partial(_write_then_digest, request.async_fn,
+                                                    digest_path, tmp))
+    request.add_finalize_fn(partial(_promote, root, name, keep_last))
+    return request
 
-    if rank == 0:
+
+def checkpoint_path(root: str, iteration: int) -> str:
+    """Where checkpoint ``iteration`` is once promoted."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, trainer_state: dict,
+                    keep_last: int) -> str:
+    """Write checkpoint ``iteration`` atomically and wait for it (collective)."""
+    stage_checkpoint(root, iteration, model_chunks, optimizer, trainer_state,
+                     keep_last).execute_sync()
+    return checkpoint_path(root, iteration)
+
+
+def _copy_host_tensors(state: dict) -> None:
+    def copy(value):
+        data = getattr(value, "data", None)
+        if torch.is_tensor(data) and data.device.type == "cpu":
+            value.data = data.detach().clone()
+        return value
+
+    dict_list_map_inplace(copy, state)
+
+
+def _write_then_digest(write_fn, digest_path: str, checkpoint_dir: str, rank: int,
+                       write_buckets, results_queue) -> None:
+    """Megatron's shard writer, then the size and SHA-256 of each file it wrote, computed where
+    the data was written (the writer process) so that promoting the checkpoint stays cheap."""
+    write_fn(rank, write_buckets, results_queue)
+    digests = {}
+    for bucket in write_buckets:
+        path = bucket[0]
+        if os.path.isfile(path):
+            digests[os.path.relpath(path, checkpoint_dir)] = {"bytes": os.path.getsize(path),
+                                                              "sha256": sha256_file(path)}
+    write_json_atomic(digest_path, digests, sort_keys=True)
+
+
+def _promote(root: str, name: str, keep_last: int) -> None:
+    """The finalize step (collective, after every rank's shards are written): rank 0 writes the
+    manifest, renames ``<name>.tmp`` to ``<name>`` and points ``latest`` at it."""
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
+        digests: dict[str, dict] = {}
+        digest_dir = os.path.join(tmp, _DIGESTS)
+        for fname in sorted(os.listdir(digest_dir)):
+            with open(os.path.join(digest_dir, fname), encoding="utf-8") as f:
+                digests.update(json.load(f))
+        shutil.rmtree(digest_dir)
         write_json_atomic(os.path.join(tmp, MANIFEST),
-                          {"iteration": iteration, "files": inventory(tmp)}, sort_keys=True)
-        if os.path.exists(final):  # an earlier run's checkpoint of the same iteration
+                          {"iteration": int(name[len("iter_"):]),
+                           "files": inventory(tmp, known=digests)}, sort_keys=True)
+        fsync_path(tmp)
+        if os.path.exists(final):  # an earlier attempt's checkpoint of the same iteration
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fsync_path(root)
         write_text_atomic(os.path.join(root, "latest"), name)
         _prune(root, keep_last)
     torch.distributed.barrier()
-    return final
 
 
 def _prune(root: str, keep_last: int) -> None:
@@ -135,10 +217,21 @@ def _prune(root: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def save_base_checkpoint(model, directory: str, model_config_name: str) -> None:
+BASE_TOKENIZER = "tokenizer.json"
+"""The tokenizer a base checkpoint was trained with, copied next to its weights."""
+
+BASE_MODEL_CONFIG = "model_config.txt"
+"""The name of the model config a base checkpoint was built from."""
+
+
+def save_base_checkpoint(model, directory: str, model_config_name: str, tokenizer,
+                         model_file: Optional[str] = None) -> None:
     """The whole model as a Megatron dist checkpoint (a base for LoRA runs), with the name of its
-    model config in ``model_config.txt``. Collective; it appears under ``directory`` only when
-    complete (written to ``<directory>.tmp``, then renamed by rank 0)."""
+    model config in ``model_config.txt`` (and a copy of ``model_file``, the model config's YAML
+    file when it is not a packaged one, as ``model_config.yaml``), the tokenizer it was trained
+    with in ``tokenizer.json`` and a MANIFEST.json of every file (so a truncated copy is named
+    before a run starts). Collective; it appears under ``directory`` only when complete (written
+    to ``<directory>.tmp``, then renamed by rank 0)."""
     rank = torch.distributed.get_rank()
     directory = os.path.abspath(directory)
     tmp = directory + ".tmp"
@@ -149,18 +242,37 @@ def save_base_checkpoint(model, directory: str, model_config_name: str) -> None:
     dist_checkpointing.save(model.sharded_state_dict(), tmp)
     torch.distributed.barrier()
     if rank == 0:
-        write_text_atomic(os.path.join(tmp, "model_config.txt"), model_config_name)
+        write_text_atomic(os.path.join(tmp, BASE_MODEL_CONFIG), model_config_name)
+        if model_file:
+            shutil.copyfile(model_file, os.path.join(tmp, "model_config.yaml"))
+        tokenizer.save(os.path.join(tmp, BASE_TOKENIZER))
+        write_json_atomic(os.path.join(tmp, MANIFEST), {"files": inventory(tmp)}, sort_keys=True)
         if os.path.exists(directory):
             shutil.rmtree(directory)
         os.replace(tmp, directory)
     torch.distributed.barrier()
 
 
+def recorded_model_config(directory: str) -> Optional[str]:
+    """The model config a base checkpoint records, as ``--model-config`` takes it: the model
+    file an import wrote (``model_config.yaml``), else the name of the config it was saved from
+    (``model_config.txt``); None when it records neither."""
+    model_file = os.path.join(directory, "model_config.yaml")
+    if os.path.isfile(model_file):
+        return model_file
+    try:
+        with open(os.path.join(directory, BASE_MODEL_CONFIG), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 # --- loading -----------------------------------------------------------------------------------
 
 
-def verify(directory: str) -> Optional[str]:
-    """None if the checkpoint is complete and intact, else why not (one line)."""
+def verify(directory: str, checksums: bool = True) -> Optional[str]:
+    """None if the checkpoint is complete and intact, else why not (one line naming the file).
+    ``checksums=False`` compares sizes only (fast: for checks before a run starts)."""
     manifest_path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(manifest_path):
         return "no MANIFEST.json (the save did not finish)"
@@ -177,7 +289,7 @@ def verify(directory: str) -> Optional[str]:
             return f"{rel} is missing"
         if os.path.getsize(path) != expected["bytes"]:
             return f"{rel} has {os.path.getsize(path)} bytes, the manifest says {expected['bytes']}"
-        if sha256_file(path) != expected["sha256"]:
+        if checksums and sha256_file(path) != expected["sha256"]:
             return f"{rel} does not match its checksum"
     return None
 

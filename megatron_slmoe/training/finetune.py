@@ -40,11 +40,17 @@ def parse(argv: Optional[list[str]] = None):
     return command
 
 
+EXIT_NOTHING_TO_DO = 3
+"""``--validate-only``'s exit code when the run in --output-dir has already finished (the launcher
+then starts nothing)."""
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from megatron_slmoe.config.cli import to_yaml
     from megatron_slmoe.config.errors import ConfigError
-    from megatron_slmoe.training.inputs import check_inputs
+    from megatron_slmoe.training.inputs import RunFinished, check_inputs
 
+    os.umask(os.umask(0) | 0o002)  # nothing a run writes is world-writable, whatever the umask
     try:
         command = parse(argv)
         if command.print_config:
@@ -56,8 +62,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RunFinished as done:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[finetune] {done}")
+        return EXIT_NOTHING_TO_DO if command.validate_only else 0
     if command.validate_only:
         return 0
+    trainer = Trainer(command.run, megatron_slmoe.PLATFORM)
+    from megatron_slmoe.training.lifeline import exit_with_parent, on_sigterm, under_torchrun
+
+    if under_torchrun():  # torchrun's workers run in sessions of their own: end with the agent
+        exit_with_parent(f"rank {os.environ.get('RANK', '?')}")
+        on_sigterm(trainer.terminated)
     # Our progress lines and data summaries from rank 0; everyone's warnings; not Megatron's
     # INFO chatter (it prints whole configs). No credential reaches a log line.
     from megatron_slmoe.utils.redact import install_log_redaction
@@ -66,11 +82,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     install_log_redaction()
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("megatron_slmoe").setLevel(logging.INFO)
-    import megatron_slmoe
     from megatron_slmoe.storage import StorageError
 
     try:
-        return Trainer(command.run, megatron_slmoe.PLATFORM).run()
+        return trainer.run()
     except StorageError as err:  # a store that stayed unusable past its retries: one line
         log.error("error: %s", err)
         return 1
@@ -134,6 +149,7 @@ class Trainer:
             model, self.config, run.optimizer, run.schedule, run.parallel.use_distributed_optimizer,
             self.bf16)
         self.monitor = RoutingMonitor([model], run.monitor)
+        self._setup_reliability()
 
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -148,11 +164,9 @@ class Trainer:
         self.writer = None
         if self.rank == 0:
             from megatron_slmoe.config.cli import to_yaml
-            from megatron_slmoe.training.metrics import MetricsWriter
             from megatron_slmoe.utils.atomic import write_text_atomic
 
             write_text_atomic(os.path.join(self.output_dir, "config.yaml"), to_yaml(run))
-            self.writer = MetricsWriter(self.output_dir, tensorboard=run.output.tensorboard)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             parallel = run.parallel
             log.info("[finetune] platform=%s backend=%s world=%d tp=%d pp=%d ep=%d dp=%d "
@@ -160,6 +174,34 @@ class Trainer:
                      torch.distributed.get_world_size(), parallel.tensor_model_parallel_size,
                      parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size,
                      self.dp_size, run.model.finetune_mode, f"{trainable:,}", self.output_dir)
+
+    def _setup_reliability(self) -> None:
+        """The checkpoint writer (asynchronous by default), per-rank step times for straggler
+        detection, and this attempt's record (see training.attempts)."""
+        from megatron_slmoe.training.async_checkpoint import CheckpointWriter
+        from megatron_slmoe.training.attempts import begin_attempt
+        from megatron_slmoe.training.heartbeat import node_name
+        from megatron_slmoe.training.stragglers import start_step_times
+
+        output = self.run_config.output
+        mirror = self.mirror  # rank 0 with --output-url: each promoted checkpoint is uploaded
+        self.checkpoints = CheckpointWriter(
+            output.async_save, output.use_persistent_ckpt_worker,
+            before_promote=mirror.wait if mirror else None,
+            after_promote=mirror.submit_checkpoint if mirror else None)
+        self.step_times = start_step_times(self.run_config.health.straggler_threshold,
+                                           self.platform.device())
+        self.config.finalize_model_grads_func = self.step_times.timed_grad_sync(
+            self.config.finalize_model_grads_func)
+        self.attempt = begin_attempt(self.output_dir)
+        # torchrun counts restarts per node, and only the node whose worker failed counts one:
+        # a node restarted because another node's agent re-formed the group stays at 0.
+        count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))],
+                             device=self.platform.device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        self.restart_count = int(count.item())
+        self.attempt.started(node_name())
+        self.heartbeat = None
 
     def _resolve(self, run):
         """The run as it will execute: the output directory (rank 0's choice, so every rank writes
@@ -277,14 +319,30 @@ class Trainer:
 
     def run(self) -> int:
         """The whole run. An out-of-memory error is reported with the memory planner's breakdown
-        and the next step of the OOM checklist; checkpoints already written stay intact."""
+        and the next step of the OOM checklist; checkpoints already written stay intact. Every
+        way out is recorded for the next attempt (training.attempts)."""
+        self.iteration = 0
         try:
             return self._run()
-        except Exception as err:  # noqa: BLE001  (only out-of-memory is handled here)
+        except BaseException as err:
+            if getattr(self, "attempt", None) is not None:
+                first_line = (str(err).splitlines() or [""])[0]
+                self.attempt.ended(f"{type(err).__name__}: {first_line}", self.iteration)
+            if getattr(self, "checkpoints", None) is not None:
+                self.checkpoints.close(abort=True)
             if not _is_out_of_memory(err):
                 raise
             log.error("[finetune] rank %d: %s", torch.distributed.get_rank(), self._oom_report(err))
             return 1
+        finally:
+            if getattr(self, "heartbeat", None) is not None:
+                self.heartbeat.close()
+
+    def terminated(self) -> None:
+        """SIGTERM's last word (training.lifeline): this rank was stopped, it did not fail."""
+        if getattr(self, "attempt", None) is not None:
+            self.attempt.ended("SIGTERM: stopped (torchrun stops every rank once one fails)",
+                               getattr(self, "iteration", 0))
 
     def _oom_report(self, err: BaseException) -> str:
         from megatron_slmoe.plan.check import format_oom_report
@@ -298,6 +356,7 @@ class Trainer:
 
     def _run(self) -> int:
         from megatron_slmoe.training import checkpointing
+        from megatron_slmoe.training.heartbeat import start_heartbeat
 
         self.setup()
         schedule, output = self.run_config.schedule, self.run_config.output
@@ -306,11 +365,13 @@ class Trainer:
         resume_from = self._resume_point(ckpt_root) if output.resume else None
         if resume_from:
             state = checkpointing.load_checkpoint(resume_from, [self.model], self.optimizer)
-            self.scheduler.load_state_dict(state["scheduler"])
+            self._load_schedule(state["scheduler"])
             iteration, consumed = state["iteration"], state["consumed_samples"]
             eval_before = state.get("eval_loss_before")
             self.accuracy_before = state.get("accuracy_before")
             self._info(f"[finetune] resumed from {resume_from} at iteration {iteration}")
+        self.iteration = iteration
+        self._open_metrics(iteration, resume_from)
         if eval_before is None:
             eval_before = self.evaluate()
             self._info(f"[finetune] held-out loss before training: {eval_before:.4f}")
@@ -319,10 +380,20 @@ class Trainer:
         tokens_per_step = schedule.global_batch_size * self.run_config.data.seq_length
         self.collapse_warnings = 0
         window_start, window_steps = time.time(), 0
-        eval_loss = eval_before
+        eval_loss = None
+        self.heartbeat = start_heartbeat(
+            self.run_config.health.heartbeat_timeout,
+            on_stop=lambda message: self.attempt.ended(
+                message or "stopped by another rank's heartbeat", self.iteration))
         while iteration < schedule.train_iters:
+            self.step_times.step_started()
             loss, grad_norm = self.train_step(consumed)
+            self.step_times.step_finished()
             iteration += 1
+            self.iteration = iteration
+            if self.heartbeat:
+                self.heartbeat.progress(iteration)
+            self.checkpoints.poll()
             consumed += schedule.global_batch_size
             window_steps += 1
             routing = self.monitor.step(iteration)
@@ -341,22 +412,73 @@ class Trainer:
                 record["memory_bytes"] = _peak_memory(self.platform)
                 eta = elapsed / window_steps * (schedule.train_iters - iteration)
                 self._info("[finetune] " + _progress(record, schedule.train_iters, eta))
+                self._compare_step_times(record)
                 window_start, window_steps = time.time(), 0
             self.collapse_warnings += len(routing["warnings"])
             record["moe"] = self.last_routing = _routing_record(self._gather_routing(routing))
             if self.writer:
                 self.writer.write(record)
             if iteration % schedule.save_interval == 0 or last:
-                if self.mirror is not None:  # the previous upload ends before pruning can start
-                    self.mirror.wait()
-                saved = checkpointing.save_checkpoint(
+                self.checkpoints.save(
                     ckpt_root, iteration, [self.model], self.optimizer,
                     {"consumed_samples": consumed, "scheduler": self.scheduler.state_dict(),
                      "eval_loss_before": eval_before,
                      "accuracy_before": self.accuracy_before}, output.keep_last)
-                if self.mirror is not None:
-                    self.mirror.submit_checkpoint(saved)
+        if self.heartbeat:
+            self.heartbeat.close()
+        self.checkpoints.close()
+        if eval_loss is None:  # resumed at the end: no step ran in this attempt
+            eval_loss = self.evaluate()
         return self._finish(eval_before, eval_loss, iteration)
+
+    def _load_schedule(self, saved: dict) -> None:
+        """The learning-rate schedule of a checkpoint, continued under this run's --train-iters
+        (a larger one extends the decay)."""
+        self.scheduler.load_state_dict(saved)
+        before = saved.get("lr_decay_steps")
+        if before is not None and before != self.scheduler.lr_decay_steps:
+            self._info(f"[finetune] --train-iters {self.scheduler.lr_decay_steps}: the learning "
+                       f"rate now decays over {self.scheduler.lr_decay_steps} steps instead of "
+                       f"{before} (lr at step {self.scheduler.num_steps}: "
+                       f"{self.scheduler.get_lr(self.optimizer.param_groups[0]):.3e})")
+
+    def _open_metrics(self, iteration: int, resume_from: Optional[str]) -> None:
+        """metrics.jsonl from ``iteration`` on (a later iteration's records of an earlier attempt
+        are dropped), with a record of the restart or resume, and the log line that says what
+        became of the previous attempt."""
+        self.writer = None
+        if self.rank != 0:
+            return
+        from megatron_slmoe.training.attempts import describe
+        from megatron_slmoe.training.metrics import MetricsWriter
+
+        self.writer = MetricsWriter(self.output_dir, tensorboard=self.run_config.output.tensorboard,
+                                    start_iteration=iteration)
+        previous = self.attempt.previous
+        restart = self.restart_count
+        if previous is None and not resume_from:
+            return
+        event = "restart" if restart else "resume"
+        where = f"from {resume_from} at iteration {iteration}" if resume_from else "from the start"
+        said = describe(previous) if previous else "no record of an earlier attempt"
+        budget = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+        self._info(f"[{event}] attempt {self.attempt.number}"
+                   f"{f' (torchrun restart {restart} of {budget})' if restart else ''}: {said}; "
+                   f"resuming {where}")
+        self.writer.write({"iteration": iteration, "event": event, "attempt": self.attempt.number,
+                           "restart": restart, "resumed_from": resume_from, "time": time.time(),
+                           "previous_attempt": previous})
+
+    def _compare_step_times(self, record: dict) -> None:
+        """Every rank's compute time per step over the log interval; stragglers named."""
+        from megatron_slmoe.training.stragglers import describe
+
+        compared = self.step_times.compare()
+        if compared is None:
+            return
+        record["step_time"] = compared
+        for line in describe(compared):
+            self._info(line)
 
     def _resume_point(self, ckpt_root: str) -> Optional[str]:
         """The newest intact local checkpoint, or with --output-url the newest complete stored one
@@ -416,17 +538,22 @@ class Trainer:
             save_adapter([self.model], adapter_dir, self.lora_config,
                          {"model_config": self.model_config.name,
                           "base_checkpoint": self.run_config.model.base_checkpoint,
-                          "hf_checkpoint": self.run_config.model.hf_checkpoint})
+                          "hf_checkpoint": self.run_config.model.hf_checkpoint,
+                          "tokenizer_sha256": self.tokenizer.fingerprint,
+                          "tokenizer_vocab_size": self.tokenizer.vocab_size})
         if self.run_config.output.export_hf:
             self._export_hf(adapter_dir)
         if self.run_config.output.save_base:
             from megatron_slmoe.training.checkpointing import save_base_checkpoint
 
+            model_file = self.run_config.model.config
             save_base_checkpoint(self.model, self.run_config.output.save_base,
-                                 self.model_config.name)
+                                 self.model_config.name, self.tokenizer,
+                                 model_file if model_file and os.path.isfile(model_file) else None)
         if self.rank == 0:
+            last_routing = getattr(self, "last_routing", None)
             load = {layer: {k: m[k] for k in ("imbalance", "load_entropy", "dead_experts_window")}
-                    for layer, m in getattr(self, "last_routing", {"layers": {}})["layers"].items()}
+                    for layer, m in (last_routing or {"layers": {}})["layers"].items()}
             summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after,
                        "steps": iteration, "adapter_dir": adapter_dir,
                        "output_dir": self.output_dir,
@@ -434,7 +561,10 @@ class Trainer:
                        "finetune_mode": self.run_config.model.finetune_mode,
                        "expert_load_last_step": load, "collapse_warnings": self.collapse_warnings,
                        "node_cache": self.storage.cache.stats.as_dict()
-                       if self.storage.cache_in_use else None}
+                       if self.storage.cache_in_use else None,
+                       "checkpoint": {"async": self.checkpoints.async_save,
+                                      "persistent_worker": self.checkpoints.persistent_worker,
+                                      "blocked_s_by_save": self.checkpoints.blocked_s_by_save}}
             if self.task:
                 summary.update(task="image-text", accuracy_before=self.accuracy_before,
                                accuracy_after=accuracy_after, bad_samples=bad_samples)
@@ -442,11 +572,12 @@ class Trainer:
                               redact_mapping(summary))
             if self.mirror is not None:
                 self._upload_outputs(adapter_dir)
-            worst = max((m["imbalance"] for m in load.values()), default=float("nan"))
-            dead = sum(m["dead_experts_window"] for m in load.values())
-            self._info(f"[finetune] expert load: worst imbalance (max/mean) {worst:.2f} over "
-                       f"{len(load)} MoE layers, {dead} experts without tokens in the last window, "
-                       f"{self.collapse_warnings} collapse warnings")
+            if load:
+                worst = max(m["imbalance"] for m in load.values())
+                dead = sum(m["dead_experts_window"] for m in load.values())
+                self._info(f"[finetune] expert load: worst imbalance (max/mean) {worst:.2f} over "
+                           f"{len(load)} MoE layers, {dead} experts without tokens in the last "
+                           f"window, {self.collapse_warnings} collapse warnings")
             if adapter_dir:
                 self._info(f"[finetune] adapter: {adapter_dir}")
             if self.task and accuracy_after is not None:
@@ -457,6 +588,7 @@ class Trainer:
             self._info(f"[finetune] held-out loss {eval_before:.4f} -> {eval_after:.4f}; "
                        f"summary in {os.path.join(self.output_dir, 'summary.json')}")
             self.writer.close()
+        self.attempt.ended("finished", iteration)
         from megatron.core import parallel_state
 
         if self._owns_model_parallel:

@@ -2,20 +2,38 @@
 before torchrun) and by every run at start-up. Each problem is one ConfigError line naming the
 flag and the file (or the URL).
 
+What is checked: the files the run names exist; the model config (or the --hf-checkpoint); the
+tokenizer against the model's vocabulary, the base checkpoint's and the starting adapter's
+tokenizer; the sequence length against the model; the base checkpoint (present, complete: its manifest's sizes, its model
+config); the starting adapter (readable, same LoRA rank/alpha/targets, same base model); the data
+files (not empty, not mostly malformed); the output directory (a run there is resumed only with
+the settings it was started with; a finished one is reported, not redone); the memory planner's
+verdict on the layout.
+
 Settings may name local paths or ``s3://`` / ``msc://`` URLs: local paths must exist; URLs are
 checked against the store (readable inputs, a writable ``--output-url``) once per node, by its
 local rank 0, so that a wrong credential, a missing bucket or key, or an unreachable endpoint
-stops the run here instead of in the middle of start-up."""
+stops the run here instead of in the middle of start-up. The contents of stored checkpoints,
+adapters and data files are not inspected here (that would mean downloading them first).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.config.run import RunConfig
+from megatron_slmoe.model.config import load_model_config
+from megatron_slmoe.storage.urls import is_object_url
 
 log = logging.getLogger(__name__)
+
+
+class RunFinished(Exception):
+    """The run in --output-dir has trained all its steps: nothing to do (not an error)."""
 
 
 def check_inputs(run: RunConfig, world_size: int, platform) -> None:
@@ -26,7 +44,11 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     # With --hf-checkpoint: config.json, the index and every shard's header, and (unless
     # --no-hf-shape-check) every tensor's shape against config.json.
     model_config, _ = open_model(run.model, check_shapes=run.model.hf_shape_check)
-    _check_data(run, model_config)
+    tokenizer = _check_tokenizer(run, model_config)
+    _check_base_checkpoint(run, model_config, tokenizer)
+    _check_adapter_init(run, model_config, tokenizer)
+    _check_data(run)
+    _check_output_dir(run, platform)
     _check_memory(run, world_size, platform, model_config)
 
 
@@ -39,7 +61,6 @@ def tokenizer_path(run: RunConfig) -> str:
 
 
 def _check_paths(run: RunConfig) -> None:
-    from megatron_slmoe.storage.urls import is_object_url
 
     model, data = run.model, run.data
     for flag, path in (("--base-checkpoint", model.base_checkpoint),
@@ -123,9 +144,9 @@ def _check_image_text_paths(run: RunConfig) -> None:
             raise ConfigError(f"--vision-checkpoint {vision.checkpoint}: {err}") from None
 
 
-def _check_data(run: RunConfig, model_config) -> None:
-    """The tokenizer (through the node cache if it is an object) and the sequence length against
-    the model."""
+def _check_tokenizer(run: RunConfig, model_config):
+    """The run's tokenizer (``tokenizer_path``, through the node cache if it is an object),
+    checked against the sequence length and vocabulary of the model."""
     from megatron_slmoe.data.errors import DataError
     from megatron_slmoe.data.tokenizer import load_tokenizer
     from megatron_slmoe.storage import Storage, StorageError
@@ -145,6 +166,258 @@ def _check_data(run: RunConfig, model_config) -> None:
         raise ConfigError(f"--tokenizer {data.tokenizer or tokenizer.path} has "
                           f"{tokenizer.vocab_size} tokens, more than the model's vocab_size "
                           f"{model_config.vocab_size}")
+    return tokenizer
+
+
+def _check_base_checkpoint(run: RunConfig, model_config, tokenizer) -> None:
+    """Present and complete (the manifest's sizes, else the dist checkpoint's own files), made
+    from this model config, trained with this tokenizer."""
+    from megatron_slmoe.training.checkpointing import BASE_TOKENIZER, verify
+
+    path = run.model.base_checkpoint
+    if not path or is_object_url(path):
+        return
+    flag = f"--base-checkpoint {path}"
+    if not os.path.isdir(path):
+        raise ConfigError(f"{flag} is not a directory")
+    names = os.listdir(path)
+    if not names:
+        raise ConfigError(f"{flag} is an empty directory")
+    if "MANIFEST.json" in names:
+        problem = verify(path, checksums=False)
+        if problem:
+            raise ConfigError(f"{flag} is damaged: {problem} (an incomplete copy?)")
+    else:  # written by another tool: at least Megatron's own files, none of them empty
+        for required in ("metadata.json", ".metadata"):
+            if required not in names:
+                raise ConfigError(f"{flag} has no {required}: not a Megatron dist checkpoint, or "
+                                  f"its save did not finish")
+        for name in sorted(names):
+            if name.endswith(".distcp") and os.path.getsize(os.path.join(path, name)) == 0:
+                raise ConfigError(f"{flag}: {name} is empty (an incomplete copy?)")
+    check_base_model(path, model_config, flag)
+    recorded = os.path.join(path, BASE_TOKENIZER)
+    if os.path.isfile(recorded):
+        _check_same_tokenizer(tokenizer, recorded, f"the tokenizer {flag} was trained with "
+                                                   f"({recorded})")
+
+
+def check_base_model(path: str, model_config, flag: str) -> None:
+    """Refuse a base checkpoint that records another model than ``model_config`` (the model file
+    an import wrote, else the name of the config it was saved from). ``flag`` names it."""
+    from megatron_slmoe.training.checkpointing import recorded_model_config
+
+    recorded = recorded_model_config(path)
+    if recorded is None:
+        return
+    try:
+        recorded_config = load_model_config(recorded)
+    except ConfigError:  # a name of a config file that is not here: compare names
+        recorded_config = None
+    if recorded_config is not None:
+        same = (dataclasses.replace(recorded_config, name="", source="")
+                == dataclasses.replace(model_config, name="", source=""))
+    else:
+        same = recorded == model_config.name
+    if not same:
+        raise ConfigError(f"{flag} holds model {recorded!r} (recorded in the checkpoint), not "
+                          f"{model_config.name!r} ({model_config.source})")
+
+
+def _check_same_tokenizer(tokenizer, recorded_path: str, what: str) -> None:
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+
+    try:
+        recorded = load_tokenizer(recorded_path)
+    except DataError as err:
+        raise ConfigError(f"{what}: {err}") from None
+    if recorded.fingerprint != tokenizer.fingerprint:
+        raise ConfigError(f"--tokenizer {tokenizer.path} is not {what}: pass --tokenizer "
+                          f"{recorded_path}")
+
+
+def _check_adapter_init(run: RunConfig, model_config, tokenizer) -> None:
+    """Readable, with the run's LoRA rank, alpha and targets, for this model and tokenizer."""
+    from megatron_slmoe.hf.peft_import import is_peft_adapter
+    from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, AdapterError, read_adapter_config
+
+    path = run.model.adapter_init
+    if not path or is_object_url(path) or (run.model.hf_checkpoint and is_peft_adapter(path)):
+        return  # a PEFT adapter is checked against the HF base when it is read
+    flag = f"--adapter-init {path}"
+    try:
+        lora, base = read_adapter_config(path)
+    except AdapterError as err:
+        raise ConfigError(f"{flag}: {err}") from None
+    for field in ("rank", "alpha", "targets"):
+        theirs, ours = getattr(lora, field), getattr(run.lora, field)
+        if (sorted(theirs) if field == "targets" else theirs) != (
+                sorted(ours) if field == "targets" else ours):
+            shown = " ".join(ours) if field == "targets" else ours
+            raise ConfigError(f"{flag} has lora.{field} {theirs!r}, but "
+                              f"{run.lora.flag(field)} is {shown}")
+    if base.get("model_config") not in (None, model_config.name):
+        raise ConfigError(f"{flag} was trained on model config {base['model_config']!r}, not "
+                          f"--model-config {model_config.name!r}")
+    if base.get("tokenizer_sha256") not in (None, tokenizer.fingerprint):
+        raise ConfigError(f"{flag} was trained with another tokenizer than --tokenizer "
+                          f"{tokenizer.path}")
+    weights = os.path.join(path, ADAPTER_WEIGHTS)
+    try:
+        from safetensors import safe_open
+
+        with safe_open(weights, framework="pt", device="cpu") as handle:
+            handle.keys()
+    except Exception as err:  # noqa: BLE001  (safetensors raises several types)
+        reason = " ".join(str(err).split())[:160]
+        raise ConfigError(f"{flag}: {weights} is not a readable safetensors file "
+                          f"({reason})") from None
+
+
+def _check_data(run: RunConfig) -> None:
+    data = run.data
+    if data.task == "image-text":  # energon folders: checked in _check_image_text_paths
+        return
+    if data.format == "pretrain":
+        if data.train_data and not is_object_url(data.train_data):
+            _check_indexed(data.train_data)
+        return
+    for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
+        if path and not is_object_url(path):
+            _check_instruction_file(flag, path, data.max_malformed_fraction)
+
+
+def _check_indexed(prefix: str) -> None:
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.data.pretrain import load_indexed_dataset
+
+    try:
+        dataset = load_indexed_dataset(prefix)
+    except DataError as err:
+        raise ConfigError(f"--train-data {prefix}: {err}") from None
+    if len(dataset) == 0:
+        raise ConfigError(f"--train-data {prefix}: the indexed dataset holds no documents")
+
+
+def _check_instruction_file(flag: str, path: str, max_malformed: float) -> None:
+    """Not empty, some well-formed records, and at most the allowed share of malformed ones."""
+    from megatron_slmoe.data.instruction import InstructionStats, read_instruction_jsonl
+
+    stats = InstructionStats()
+    with _first_warning("megatron_slmoe.data.instruction") as first:
+        read_instruction_jsonl(path, stats, max_warnings=1)
+    if stats.records == 0:
+        raise ConfigError(f"{flag} {path} holds no records (an empty file)")
+    if stats.examples == 0 or stats.malformed > max_malformed * stats.records:
+        example = f"; the first: {first[0]}" if first else ""
+        raise ConfigError(f"{flag} {path}: {stats.malformed} of {stats.records} records are "
+                          f"malformed, more than --max-malformed-fraction {max_malformed:g}"
+                          f"{example}")
+
+
+@contextlib.contextmanager
+def _first_warning(logger_name: str):
+    """Collect a logger's warnings instead of printing them (the first names the problem)."""
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger(logger_name)
+    handler, propagate = Collect(level=logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+# Settings a run must keep to be resumed: what it trains, on which data, with which optimizer.
+# The layout (parallel sizes), intervals, --train-iters (a larger one extends the schedule) and
+# the output options may change.
+RESUME_MUST_MATCH = (
+    ("model", ("config", "base_checkpoint", "finetune_mode", "precision")),
+    ("lora", ("rank", "alpha", "targets", "dropout")),
+    ("data", ("format", "train_data", "valid_data", "tokenizer", "seq_length")),
+    ("optimizer", ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay",
+                   "adam_beta1", "adam_beta2", "clip_grad")),
+    ("schedule", ("global_batch_size", "seed")),
+)
+_PATHS = {"base_checkpoint", "train_data", "valid_data", "tokenizer"}
+
+
+def _check_output_dir(run: RunConfig, platform) -> None:
+    """A run already in --output-dir is resumed: with the settings it was started with, and not
+    redone once finished."""
+    from megatron_slmoe.training.checkpointing import verify
+
+    out = run.output.output_dir
+    root = os.path.join(out or "", "checkpoints")
+    if not out or not run.output.resume or not os.path.isdir(root):
+        return
+    iterations = sorted(int(n[len("iter_"):]) for n in os.listdir(root)
+                        if n.startswith("iter_") and n[len("iter_"):].isdigit())
+    if not iterations:
+        return
+    earlier_path = os.path.join(out, "config.yaml")
+    if os.path.isfile(earlier_path):
+        _check_same_settings(run, earlier_path, platform)
+    trained = next((i for i in reversed(iterations)
+                    if verify(os.path.join(root, f"iter_{i:07d}"), checksums=False) is None), 0)
+    if trained > run.schedule.train_iters:
+        raise ConfigError(f"--train-iters {run.schedule.train_iters} is below the {trained} steps "
+                          f"the run in {out} has trained (resume it with at least {trained})")
+    if trained == run.schedule.train_iters and _summary_steps(out) == trained:
+        raise RunFinished(f"the run in {out} has finished all {trained} steps (summary.json); "
+                          f"nothing to do: a larger --train-iters continues it, another "
+                          f"--output-dir starts a new one")
+
+
+def _summary_steps(out: str):
+    """The steps summary.json reports (written when a run finishes), or None."""
+    import json
+
+    try:
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+            return json.load(f).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _check_same_settings(run: RunConfig, earlier_path: str, platform) -> None:
+    from megatron_slmoe.config.cli import build_run_config, read_yaml
+    from megatron_slmoe.training.model_setup import resolve_precision
+
+    try:
+        earlier = build_run_config(read_yaml(earlier_path))
+    except ConfigError as err:
+        raise ConfigError(f"{earlier_path}, the configuration of the run this would resume, is "
+                          f"unreadable: {err}") from None
+    for section, names in RESUME_MUST_MATCH:
+        for name in names:
+            ours, theirs = (getattr(getattr(c, section), name) for c in (run, earlier))
+            if name == "precision":
+                ours, theirs = (resolve_precision(c.model, platform) for c in (run, earlier))
+            elif name in _PATHS:
+                ours, theirs = (os.path.abspath(p) if p else p for p in (ours, theirs))
+            elif name == "targets":
+                ours, theirs = sorted(ours), sorted(theirs)
+            if ours != theirs:
+                flag = getattr(run, section).flag(name)
+                raise ConfigError(
+                    f"{flag} {_shown(ours)} differs from {_shown(theirs)} in {earlier_path}, the "
+                    f"run this would resume (resume it unchanged, or start over there with "
+                    f"--no-resume, or use another --output-dir)")
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "(unset)"
+    return " ".join(value) if isinstance(value, list) else str(value)
 
 
 def memory_check(run: RunConfig, world_size: int, platform, model_config):

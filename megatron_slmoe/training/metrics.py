@@ -8,6 +8,8 @@ import math
 import os
 from typing import Any, Optional
 
+from megatron_slmoe.utils.atomic import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -28,17 +30,26 @@ def _duration(seconds: float) -> str:
 
 class MetricsWriter:
     """Appends one JSON object per record to ``metrics.jsonl`` and mirrors the scalar fields to
-    TensorBoard. Only the writing rank constructs one."""
+    TensorBoard. Only the writing rank constructs one.
 
-    def __init__(self, output_dir: str, tensorboard: bool = True) -> None:
+    A run that starts at ``start_iteration`` (resumed from a checkpoint, or from scratch in a
+    directory an earlier attempt wrote to) first drops the records of later iterations, which
+    that attempt wrote and this one writes again: the file keeps one record per iteration, in
+    order. TensorBoard purges those steps the same way."""
+
+    def __init__(self, output_dir: str, tensorboard: bool = True,
+                 start_iteration: int = 0) -> None:
         os.makedirs(output_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        path = os.path.join(output_dir, "metrics.jsonl")
+        _drop_records_after(path, start_iteration)
+        self._jsonl = open(path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
+                self._tb = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"),
+                                         purge_step=start_iteration + 1)
             except ImportError:
                 log.warning("tensorboard is not installed: no event files (pip install tensorboard)")
 
@@ -54,6 +65,25 @@ class MetricsWriter:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _drop_records_after(path: str, iteration: int) -> None:
+    """Rewrite ``path`` (atomically) without the records of iterations after ``iteration``, nor a
+    last line cut short by a crash."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("iteration", 0) <= iteration:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        write_text_atomic(path, "".join(kept))
 
 
 def _scalars(record: dict[str, Any], prefix: str = ""):

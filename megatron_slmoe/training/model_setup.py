@@ -143,5 +143,8 @@ def wrap_and_optimize(model, config, optimizer: OptimizerConfig, schedule: Sched
         lr_warmup_steps=optimizer.lr_warmup_iters, lr_decay_steps=schedule.train_iters,
         lr_decay_style=optimizer.lr_decay_style, start_wd=optimizer.weight_decay,
         end_wd=optimizer.weight_decay, wd_incr_steps=schedule.train_iters,
-        wd_incr_style="constant")
+        wd_incr_style="constant",
+        # On resume the schedule is this run's (a larger --train-iters extends it), never the
+        # checkpoint's; the check before the run refuses changes of the other optimizer settings.
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
     return ddp, megatron_optimizer, scheduler

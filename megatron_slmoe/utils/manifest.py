@@ -21,13 +21,21 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def inventory(directory: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """Every file under ``directory`` but the manifest: relative path -> bytes and SHA-256."""
+def inventory(directory: str | os.PathLike,
+              known: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Every file under ``directory`` but the manifest: relative path -> bytes and SHA-256.
+    ``known`` entries (digests computed where the file was written) are taken as they are while
+    the file's size still matches, instead of reading the file again."""
     files = {}
     for base, _, names in os.walk(directory):
         for name in sorted(names):
             path = os.path.join(base, name)
             rel = os.path.relpath(path, directory)
-            if rel != MANIFEST:
-                files[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+            if rel == MANIFEST:
+                continue
+            size = os.path.getsize(path)
+            entry = (known or {}).get(rel)
+            if entry is None or entry["bytes"] != size:
+                entry = {"bytes": size, "sha256": sha256_file(path)}
+            files[rel] = entry
     return files

@@ -68,7 +68,38 @@ slmoe_last_value() {
     echo "$value"
 }
 
-# The environment that decides where and how ranks run, one NAME=value per line.
+# slmoe_run_logged LOG COMMAND...: run COMMAND with its output on the terminal and appended to
+# LOG; return its exit code. SIGTERM/SIGINT/SIGHUP to the launcher stop it (torchrun passes them to
+# its workers); a watchdog stops it if the launcher itself is killed (SIGKILL cannot be trapped).
+SLMOE_CHILD=
+slmoe_run_logged() {
+    local log=$1 rc=0 watchdog
+    shift
+    "$@" > >(tee -a "$log") 2>&1 &
+    SLMOE_CHILD=$!
+    trap 'slmoe_stop_child TERM' TERM HUP
+    trap 'slmoe_stop_child INT' INT
+    ( while kill -0 $$ 2>/dev/null; do sleep 1; done; kill -TERM "$SLMOE_CHILD" 2>/dev/null ) &
+    watchdog=$!
+    wait "$SLMOE_CHILD" || rc=$?
+    kill "$watchdog" 2>/dev/null || true
+    trap - TERM HUP INT
+    SLMOE_CHILD=
+    return "$rc"
+}
+
+slmoe_stop_child() {  # the trap: stop the running command, wait for it, exit like it
+    local signal=$1 rc=0
+    echo "[launch] $(date '+%F %T') got SIG$signal: stopping torchrun and its workers" >&2
+    if [ -n "$SLMOE_CHILD" ]; then
+        kill -TERM "$SLMOE_CHILD" 2>/dev/null || true
+        wait "$SLMOE_CHILD" || rc=$?
+    fi
+    exit $(( rc ? rc : 143 ))
+}
+
+# The environment that decides where and how ranks run, one NAME=value per line; values of
+# variables that look like credentials are not shown.
 slmoe_print_env() {
     local name
     local names=(NNODES NODE_RANK NPROC_PER_NODE MASTER_ADDR MASTER_PORT)
@@ -79,8 +110,15 @@ slmoe_print_env() {
     for name in "${names[@]}"; do
         if [ -n "${!name:-}" ]; then printf '%s=%q\n' "$name" "${!name}"; fi
     done
-    { env | LC_ALL=C sort | grep -E '^(NCCL_|HCCL_|GLOO_|TP_SOCKET_IFNAME=|CUDA_VISIBLE_DEVICES=|ASCEND_|SLMOE_|OMP_NUM_THREADS=|TORCH_NCCL_|TORCH_DISTRIBUTED_)' || true; } \
-        | while IFS='=' read -r name value; do printf '%s=%q\n' "$name" "$value"; done
+    { env | LC_ALL=C sort | grep -E '^(NCCL_|HCCL_|GLOO_|TP_SOCKET_IFNAME=|CUDA_VISIBLE_DEVICES=|ASCEND_|SLMOE_|OMP_NUM_THREADS=|TORCH_NCCL_|TORCH_DISTRIBUTED_|TORCH_DISABLE_SHARE_RDZV_TCP_STORE=)' || true; } \
+        | while IFS='=' read -r name value; do
+            if slmoe_is_secret "$name"; then echo "$name=<hidden>"; continue; fi
+            printf '%s=%q\n' "$name" "$value"
+        done
+}
+
+slmoe_is_secret() {  # a variable name that suggests a credential
+    [[ "${1^^}" =~ (SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|API_KEY) ]]
 }
 
 slmoe_print_cmd() {  # a command, shell-quoted on one line

@@ -1,20 +1,30 @@
 """The LoRA fine-tuning job on real gloo ranks (torchrun), as users run it:
 
 - 20 steps give the same loss curve on 1 rank and on 2 ranks with TP=2, EP=2, PP=2 and DP=2;
-- a run killed mid-way resumes from its last checkpoint and reproduces the uninterrupted losses;
+- a rank killed mid-run (kill -9) under torchrun's restart budget: every rank restarts by itself,
+  resumes from the newest intact checkpoint and reproduces the uninterrupted losses; the log names
+  the dead rank and the checkpoint; metrics.jsonl has each iteration once, and the restart;
 - a checkpoint corrupted on purpose is refused with a clear message and the previous one is used;
+  a larger --train-iters extends the learning-rate schedule; a rerun of a finished run changes
+  nothing;
 - base weights stay bitwise unchanged and only LoRA parameters get gradients and optimizer state.
 """
 
+import json
+import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.entry_point import REPO
 from tests.helpers.entry_point import losses as _losses
+from tests.helpers.entry_point import records as _records
 from tests.helpers.entry_point import torchrun as _torchrun
 from tests.helpers.ranks import run_ranks
 
@@ -65,32 +75,85 @@ def test_loss_curve_matches_single_rank(start, single_rank, name, flags):
     assert losses[20] < losses[1]  # and it learns
 
 
-def test_killed_run_resumes_and_reproduces_losses(start, single_rank):
+SECRET = "slmoe-test-secret-7f3a9c"
+
+
+def _pid_of(run: Path, attempt: int, rank: int) -> int:
+    path = run / "attempts" / str(attempt) / f"rank_{rank:05d}.json"
+    return json.loads(path.read_text())["pid"]
+
+
+def test_killed_rank_restarts_in_job_and_reproduces_losses(start, single_rank):
     run = start / "killed"
-    proc = _lora_run(start, "killed", 2, ["--expert-model-parallel-size", "2"], wait=False)
+    ep2 = ["--expert-model-parallel-size", "2"]
+    proc = _lora_run(start, "killed", 2, ep2, wait=False, restarts=2,
+                     env={"AWS_SECRET_ACCESS_KEY": SECRET, "HF_TOKEN": SECRET})
     deadline = time.time() + 300
-    while time.time() < deadline:  # kill it once it is past the checkpoint of iteration 10
+    while time.time() < deadline:  # kill rank 1 once it is past the checkpoint of iteration 10
         metrics = run / "metrics.jsonl"
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 12:
             break
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert (run / "checkpoints" / "iter_0000010").is_dir()
+    victim = _pid_of(run, 0, 1)
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]  # finished by itself
 
-    out = _lora_run(start, "killed", 2, ["--expert-model-parallel-size", "2"])
-    assert "resumed from" in out
     losses = _losses(run)
+    assert sorted(losses) == list(range(1, 21))
     for it in range(1, 21):
         assert losses[it] == pytest.approx(single_rank[it], rel=1e-5, abs=1e-6), f"iteration {it}"
+    timed = [r for r in _records(run) if "step_time" in r]  # per-rank compute, at log intervals
+    assert timed and all(len(r["step_time"]["compute_s_by_rank"]) == 2 for r in timed)
+    (restart,) = [r for r in _records(run) if r.get("event") == "restart"]
+    assert restart["restart"] == 1 and restart["attempt"] == 1
+    resumed = restart["resumed_from"]
+    assert resumed in (str(run / "checkpoints" / "iter_0000010"),
+                       str(run / "checkpoints" / "iter_0000005"))  # the newest promoted one
+    silent = restart["previous_attempt"]["silent"]  # the others said why they stopped
+    assert [(r["rank"], r["pid"]) for r in silent] == [(1, victim)]
+    line = next(line for line in out.splitlines() if line.startswith("[restart]"))
+    assert "torchrun restart 1 of 2" in line and "rank 1 on node" in line
+    assert f"(pid {victim}) ended without a word" in line
+    assert f"resuming from {resumed} at iteration {int(resumed[-7:])}" in line
 
-    # Corrupt the newest checkpoint: it is refused, by name and reason, and the previous used.
+    # Security hygiene: nothing written is world-writable (the job ran with umask 0), and the
+    # credentials in its environment reached no file and no log line.
+    for path in [run, *run.rglob("*")]:
+        assert not path.stat().st_mode & 0o002, path
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    assert SECRET not in out
+
+    # Corrupt the newest checkpoint: it is refused, by name and reason, and the previous used;
+    # the run goes on to 22 steps with the schedule decaying over 22, not the old 20.
     newest = run / "checkpoints" / "iter_0000020"
     shard = next(newest.rglob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    out = _lora_run(start, "killed", 2, ["--expert-model-parallel-size", "2"], iters=22)
+    out = _lora_run(start, "killed", 2, ep2, iters=22)
     assert "iter_0000020 is not usable" in out and "bytes, the manifest says" in out
     assert "resumed from" in out and "iter_0000015" in out
+    assert "the learning rate now decays over 22 steps instead of 20" in out
+    records = {r["iteration"]: r for r in _records(run) if "event" not in r}
+    assert sorted(records) == list(range(1, 23))
+    for it in (16, 21, 22):  # Megatron's cosine over 22 steps after 2 of warm-up, peak 1e-3
+        expected = 1e-3 * 0.5 * (1 + math.cos(math.pi * (it - 2) / 20))
+        assert records[it]["lr"] == pytest.approx(expected, rel=1e-6), it
+    assert records[21]["lr"] > 0
+
+    # A rerun of the finished run says so and changes nothing.
+    summary = (run / "summary.json").read_bytes()
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    args = [*COMMON, "--base-checkpoint", str(start / "base"), "--adapter-init",
+            str(start / "init" / "adapter"), "--train-iters", "22", "--save-interval", "5",
+            "--output-dir", str(run), *ep2]
+    rerun = subprocess.run([sys.executable, "-m", "megatron_slmoe.training.finetune", *args],
+                           cwd=REPO, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "WORLD_SIZE": "2"})
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"the run in {run} has finished all 22 steps" in rerun.stdout
+    assert (run / "summary.json").read_bytes() == summary
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
 
 def frozen_base_run(args: list[str]) -> dict:

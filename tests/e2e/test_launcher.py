@@ -27,7 +27,8 @@ def sandbox(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "HCCL_", "RDZV_"))}
     for name in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "LOCAL_ADDR",
                  "NETWORK_PROFILE", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "TP", "EP",
-                 "OUTPUT_DIR", "DISTRIBUTED_TIMEOUT_MINUTES", "SLMOE_PREFLIGHT"):
+                 "OUTPUT_DIR", "DISTRIBUTED_TIMEOUT_MINUTES", "SLMOE_PREFLIGHT", "MAX_RESTARTS",
+                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
         env.pop(name, None)
     # never let a build-stamp mismatch reinstall a different torch because of the fake GPU tools
     env.update(TORCHRUN=str(fake), SLMOE_TORCH_SPEC=f"torch=={torch.__version__}")
@@ -61,7 +62,8 @@ def test_static_master_layout_and_settings(sandbox):
     layout = ("--nproc-per-node 4 --nnodes 2 --node-rank 1 --master-addr 10.1.2.3 "
               "--master-port 23456")
     train = commands["training"]
-    assert train.startswith(f"{sandbox['env']['TORCHRUN']} {layout} -m megatron_slmoe.training.finetune ")
+    assert train.startswith(f"{sandbox['env']['TORCHRUN']} {layout} --max-restarts 3 "
+                            f"-m megatron_slmoe.training.finetune ")
     assert "--tensor-model-parallel-size 2" in train and "--distributed-timeout-minutes 7" in train
     assert train.endswith(f"--train-iters 15 --lr-warmup-iters 0 --output-dir {out_dir}")
     pre = commands["preflight"]
@@ -82,7 +84,8 @@ def test_rendezvous_layout(sandbox):
     commands = _commands(proc.stdout)
     rdzv = ("--nproc-per-node 2 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint head-node:29400 "
             "--rdzv-conf is_host=1 --local-addr 10.0.0.5")
-    assert f"{rdzv} --rdzv-id job42 -m megatron_slmoe.training.finetune" in commands["training"]
+    assert (f"{rdzv} --max-restarts 3 --rdzv-id job42 -m megatron_slmoe.training.finetune"
+            in commands["training"])
     assert f"{rdzv} --rdzv-id job42-preflight -m megatron_slmoe.preflight" in commands["preflight"]
     for text in commands.values():
         assert "--node-rank" not in text and "--master-addr" not in text
@@ -143,3 +146,30 @@ def test_bad_layout_is_one_line(sandbox, env, message):
     proc = _launch(sandbox, ["--dry-run", *SMALL], **env)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [message]
+
+
+def test_restart_budget_and_fresh_store_for_restarts(sandbox):
+    proc = _launch(sandbox, ["--dry-run", "--no-preflight", *SMALL], MAX_RESTARTS="5")
+    assert proc.returncode == 0, proc.stderr
+    assert {"MAX_RESTARTS=5", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"} <= set(proc.stdout.splitlines())
+    assert " --max-restarts 5 -m megatron_slmoe.training.finetune " in _commands(proc.stdout)["training"]
+
+
+def test_help_is_printed_once_and_creates_nothing(sandbox):
+    before = sorted(p.name for p in REPO.iterdir()), (REPO / "runs" / "logs").exists()
+    proc = _launch(sandbox, ["--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("usage: megatron_slmoe.training.finetune") == 1
+    assert "MAX_RESTARTS" in proc.stdout and "--heartbeat-timeout" in proc.stdout
+    assert (sorted(p.name for p in REPO.iterdir()), (REPO / "runs" / "logs").exists()) == before
+
+
+def test_the_settings_comments_name_real_lora_targets():
+    """The launcher's comment on LORA_TARGET_MODULES shows the default targets, by their names."""
+    from megatron_slmoe.config.run import DEFAULT_LORA_TARGETS
+    from megatron_slmoe.lora.targets import TARGETS
+
+    line = next(line for line in (REPO / "scripts" / "pretrain_lora.sh").read_text().splitlines()
+                if "--lora-target-modules" in line and "LORA_TARGET_MODULES" in line)
+    shown = line.rsplit("# [", 1)[1].rstrip("]").split()
+    assert shown == list(DEFAULT_LORA_TARGETS) and set(shown) <= set(TARGETS)

@@ -96,3 +96,22 @@ def test_adapter_for_another_base_model_is_refused(inputs, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "trained on base model model_config='merge_unit', not 'other_name'" in err, err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_the_model_config_comes_from_the_base(inputs, capsys, tmp_path):
+    """A base that records its model (as a LoRA base or an import writes it) needs no --config;
+    a --config of another model is refused before anything is built (not a 135 GB allocation)."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(inputs["root"] / "base", base)
+    shutil.copyfile(inputs["config"], base / "model_config.yaml")
+    args = _args(inputs, **{"--base-checkpoint": str(base), "--output": str(tmp_path / "out")})
+    without_config = [a for i, a in enumerate(args)
+                      if a != "--config" and (i == 0 or args[i - 1] != "--config")]
+    assert _tool().main([*without_config, "--config", "flagship_2p8t"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds model" in err and "not 'flagship_2p8t'" in err, err
+    assert not os.path.exists(tmp_path / "out")
+    assert _tool().main(without_config) == 0
+    assert (tmp_path / "out" / "metadata.json").is_file()

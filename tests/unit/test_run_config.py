@@ -30,7 +30,8 @@ NON_DEFAULT = {
     "lora": {"rank": 16, "alpha": 8.0, "dropout": 0.1, "targets": ["router", "latent"],
              "init_seed": 5},
     "data": {"task": "image-text", "format": "pretrain", "train_data": "train",
-             "valid_data": "valid", "tokenizer": "tok.json", "seq_length": 256},
+             "valid_data": "valid", "tokenizer": "tok.json", "seq_length": 256,
+             "max_malformed_fraction": 0.25},
     "vision": {"model_type": "siglip", "img_h": 64, "img_w": 48, "patch_dim": 8,
                "num_layers": 3, "hidden_size": 96, "num_attention_heads": 6,
                "ffn_hidden_size": 192, "activation": "gelu_tanh", "layernorm_epsilon": 1e-6,
@@ -50,10 +51,12 @@ NON_DEFAULT = {
                 "dominant_fraction": 0.6, "action": "stop", "jsonl_path": "routing.jsonl"},
     "output": {"output_dir": "out", "output_url": "s3://bucket/runs/a", "tensorboard": False,
                "keep_last": 3, "resume": False, "save_base": None, "export_hf": None,
-               "export_hf_layout": "fused"},
+               "export_hf_layout": "fused", "async_save": False,
+               "use_persistent_ckpt_worker": False},
     "storage": {"cache_dir": "nvme/cache", "cache_max_gb": 12.5, "cache_revalidate_seconds": 0.0,
                 "prefetch_shards": 4, "retry_timeout_seconds": 120.0,
                 "retry_backoff_seconds": 0.25, "preflight_timeout_seconds": 5.0},
+    "health": {"heartbeat_timeout": 60.0, "straggler_threshold": 2.0},
 }
 # save_base and train_vision_tower need --finetune-mode full, which excludes --adapter-init;
 # hf_checkpoint excludes --model-config and --base-checkpoint: each checked on its own below.
@@ -82,8 +85,11 @@ def test_the_table_covers_every_field_with_a_non_default_value():
     for section, cls in RunConfig.sections().items():
         for f in settings(cls):
             assert f.name in NON_DEFAULT[section], f"add {section}.{f.name} to NON_DEFAULT"
+            # save_base, finetune_mode, hf_checkpoint, train_vision_tower, export_hf: see the
+            # *_is_reachable_too tests; the persistent writer needs --async-save (on by default),
+            # which the table turns off
             if f.name not in ("save_base", "finetune_mode", "hf_checkpoint",
-                              "train_vision_tower", "export_hf"):  # see below
+                              "train_vision_tower", "export_hf", "use_persistent_ckpt_worker"):
                 assert NON_DEFAULT[section][f.name] != defaults[section][f.name], (section, f.name)
 
 
@@ -108,6 +114,10 @@ def test_save_base_is_reachable_too():
     assert run.image_text.train_vision_tower
     with pytest.raises(ConfigError, match="--train-vision-tower needs --finetune-mode full"):
         parse_command_line(["--train-vision-tower"], prog="t", description="", world_size=1)
+
+    run = parse_command_line(["--use-persistent-ckpt-worker"], prog="t", description="",
+                             world_size=1).run
+    assert run.output.use_persistent_ckpt_worker and run.output.async_save
 
 
 def test_export_hf_is_reachable_too():

@@ -327,3 +327,17 @@ def _register_megatron(registry: PatchRegistry) -> None:
 
     registry.register("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
                       move_to_host, "only converts split sizes to numpy for GPU tensors")
+    registry.wrap(f"{dist_ckpt}.strategies.async_utils.PersistentAsyncCaller.async_loop",
+                  _one_device_worker, "the persistent checkpoint worker pins itself to device "
+                                      "rank % device_count(): 0 devices on the CPU")
+
+
+def _one_device_worker(loop):
+    @functools.wraps(loop)
+    def run(*args, **kwargs):
+        # This process (Megatron's persistent checkpoint writer) only writes files: give it the
+        # one device it pins itself to. Nothing else runs in it.
+        torch.cuda.device_count = lambda: 1
+        return loop(*args, **kwargs)
+
+    return run
