@@ -98,8 +98,10 @@ class _Pool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.done = ctx.Queue()
         port = free_port()
+        # Not daemonic: Megatron's dist-checkpoint writer starts a multiprocessing Manager, which
+        # a daemonic process may not. The pools are closed at exit (_close_pools).
         self.procs = [ctx.Process(target=_serve, args=(r, world_size, port, self.tasks[r],
-                                                       self.done), daemon=True)
+                                                       self.done), daemon=False)
                       for r in range(world_size)]
         for proc in self.procs:
             proc.start()
