@@ -152,6 +152,7 @@ setup(
     entry_points={"console_scripts": [
         "slmoe-finetune = megatron_slmoe.training.finetune:main",
         "slmoe-merge-lora = megatron_slmoe.commands.merge_lora:main",
+        "slmoe-generate = megatron_slmoe.commands.generate:main",
         "slmoe-count-params = megatron_slmoe.commands.count_params:main",
         "slmoe-preprocess-data = megatron_slmoe.commands.preprocess_data:main",
         "slmoe-train-tokenizer = megatron_slmoe.commands.train_tokenizer:main",
