@@ -85,7 +85,7 @@ class LoRALatentSwiGLUExperts(LoRAModule, LatentSwiGLUExperts):
     def _projection(self, proj: str, x_RI: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         weight = getattr(self, f"{proj}_weight")
         lora_a, lora_b = getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
-        if lora_a is None:  # not adapted: the base experts' math
+        if lora_a is None or self.lora_scaling == 0.0:  # not adapted, or disabled: the base math
             parts = [F.linear(x, weight[e]) for e, x in enumerate(x_RI.split(counts.tolist()))]
             return torch.cat(parts) if parts else x_RI.new_zeros(0, weight.shape[1])
         p = self.lora_dropout if self.training else 0.0
