@@ -17,6 +17,7 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     from megatron_slmoe.model.config import load_model_config
 
     _check_paths(run)
+    _check_base_model(run)
     model_config = load_model_config(run.model.config)
     _check_data(run, model_config)
     _check_memory(run, world_size, platform, model_config)
@@ -32,6 +33,16 @@ def _check_paths(run: RunConfig) -> None:
         for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
             if path and not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file")
+
+
+def _check_base_model(run: RunConfig) -> None:
+    """LoRA adapts a trained model: on random weights it trains adapters for nothing."""
+    if run.model.finetune_mode == "lora" and not run.model.base_checkpoint:
+        raise ConfigError(
+            "LoRA needs a trained base model: name one with --base-checkpoint DIR (a Megatron dist "
+            "checkpoint, e.g. from --finetune-mode full --save-base DIR), run "
+            "`bash scripts/pretrain_lora.sh` with no flags for the demo (it pretrains a tiny base "
+            "first), or train every weight from scratch with --finetune-mode full")
 
 
 def _check_data(run: RunConfig, model_config) -> None:
