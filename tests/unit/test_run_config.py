@@ -25,7 +25,7 @@ NON_DEFAULT = {
                  "recompute_modules": ["moe", "core_attn"], "memory_check": "warn",
                  "device_memory_gb": 80.0},
     "moe": {"token_dispatcher_type": "allgather", "hierarchical_alltoall": True, "node_size": 8,
-            "overlap_chunks": 3},
+            "overlap_chunks": 3, "routed_balance_coeff": 0.05, "routing_kl_coeff": 0.5},
     "lora": {"rank": 16, "alpha": 8.0, "dropout": 0.1, "targets": ["router", "latent"],
              "init_seed": 5},
     "data": {"format": "pretrain", "train_data": "train", "valid_data": "valid",
@@ -33,12 +33,13 @@ NON_DEFAULT = {
     "optimizer": {"lr": 1e-3, "min_lr": 1e-5, "lr_warmup_iters": 3, "lr_decay_style": "linear",
                   "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.95, "clip_grad": 0.5},
     "schedule": {"micro_batch_size": 2, "global_batch_size": 32, "train_iters": 30,
-                 "eval_interval": 5, "eval_iters": 2, "log_interval": 3, "save_interval": 6,
-                 "seed": 7},
+                 "eval_interval": 5, "eval_iters": 2, "eval_accuracy_samples": 50,
+                 "log_interval": 3, "save_interval": 6, "seed": 7},
     "monitor": {"window": 9, "starved_fraction": 0.2, "starved_patience": 4,
-                "dominant_fraction": 0.6, "action": "stop", "jsonl_path": "routing.jsonl"},
+                "dominant_fraction": 0.6, "warmup_steps": 3, "min_routed_tokens": 64,
+                "action": "stop", "jsonl_path": "routing.jsonl", "drift_interval": 4},
     "output": {"output_dir": "out", "tensorboard": False, "keep_last": 3, "resume": False,
-               "save_base": None},
+               "save_base": None, "plots": False},
 }
 # save_base needs --finetune-mode full, which excludes --adapter-init: checked on its own below.
 
@@ -149,6 +150,9 @@ def test_bad_yaml_is_one_line_naming_file_key_or_flag(tmp_path, text, needle):
     (["--lr-warmup-iters", "200"], "--lr-warmup-iters 200 must be below --train-iters 200"),
     (["--moe-token-dispatcher-type", "pigeon"], "moe.token_dispatcher_type"),
     (["--lora-target-modules", "router", "router"], "names a target twice"),
+    (["--moe-routing-kl-coeff", "0.1", "--finetune-mode", "full"],
+     "--moe-routing-kl-coeff needs --finetune-mode lora"),
+    (["--moe-monitor-min-tokens", "-1"], "monitor.min_routed_tokens (--moe-monitor-min-tokens)"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(argv, needle):
     with pytest.raises(ConfigError) as err:
