@@ -117,10 +117,10 @@ class MoERunConfig(Section):
         help="overlap the flat all-to-all with expert compute over this many token chunks "
              "(default: the model config's, 1 = no overlap)")
     routed_balance_coeff: float = setting(
-        0.0, flag="--moe-routed-balance-coeff",
-        help="load-balancing loss on the routing actually used (frozen expert bias included); "
-             "with a frozen router it acts through the adapters before each router (0: off; "
-             "see megatron_slmoe.moe.stability)")
+        0.1, flag="--moe-routed-balance-coeff",
+        help="with --finetune-mode lora: load-balancing loss on the routing actually used "
+             "(frozen expert bias included), acting through the adapters before each router "
+             "(0: off; see megatron_slmoe.moe.stability)")
     routing_kl_coeff: float = setting(
         0.0, flag="--moe-routing-kl-coeff",
         help="routing preservation with --finetune-mode lora: KL(base routing || routing) per "

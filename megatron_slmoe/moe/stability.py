@@ -54,21 +54,21 @@ DRIFT_FIELDS = ("drift_kl", "drift_topk_overlap", "drift_load_change")
 """The routing monitor's per-layer record names of the drift metrics."""
 
 
-def routing_distribution(router: SLMoERouter, logits_TE: torch.Tensor) -> torch.Tensor:
-    """Each token's distribution over experts (fp32 [T, E]): softmax of the logits, or the
-    sigmoid scores normalised per token (what Megatron's aux losses use for sigmoid routers)."""
-    if router.score_function == "softmax":
-        return torch.softmax(logits_TE.float(), dim=-1)
-    scores_TE = torch.sigmoid(logits_TE.float())
-    return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
-
-
 def routing_scores(router: SLMoERouter, logits_TE: torch.Tensor) -> torch.Tensor:
     """The router's probabilities (fp32 [T, E]): softmax over experts, or each expert's sigmoid
     gate."""
     if router.score_function == "softmax":
         return torch.softmax(logits_TE.float(), dim=-1)
     return torch.sigmoid(logits_TE.float())
+
+
+def balance_scores(router: SLMoERouter, logits_TE: torch.Tensor) -> torch.Tensor:
+    """The per-token distribution Megatron's aux losses balance: the softmax, or the sigmoid
+    scores normalised per token."""
+    scores_TE = routing_scores(router, logits_TE)
+    if router.score_function == "softmax":
+        return scores_TE
+    return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
 
 
 def routing_kl(score_function: str, base_TE: torch.Tensor, scores_TE: torch.Tensor) -> torch.Tensor:
@@ -85,14 +85,14 @@ def routing_kl(score_function: str, base_TE: torch.Tensor, scores_TE: torch.Tens
 @dataclass
 class _Track:
     router: SLMoERouter
-    base_queue: deque = field(default_factory=deque)  # base distributions of this step's batches
-    probe: list = field(default_factory=list)  # (dist_TE, map_TE) of the current probe pass
+    base_queue: deque = field(default_factory=deque)  # base scores of this step's micro-batches
+    probe: list = field(default_factory=list)  # (scores_TE, routed_TE) of the current probe pass
     probe_base: Optional[list] = None
 
 
 class RoutingStability:
     """The routing-stability losses and the drift probe on every Stable Latent MoE router of
-    ``model_chunks`` (installed on construction; ``remove()`` takes them off).
+    ``model_chunks`` (hooked in on construction).
 
     ``base_model``: a context-manager factory under which the chunks compute the base model
     (the adapters disabled); needed for ``kl_coeff > 0`` and for drift.
@@ -116,15 +116,6 @@ class RoutingStability:
                               key=lambda t: t.router.layer_number)
         for track in self._tracks:
             track.router.routing_hooks.append(self._hook_for(track))
-
-    @property
-    def layer_numbers(self) -> list[int]:
-        return [t.router.layer_number for t in self._tracks]
-
-    def remove(self) -> None:
-        for track in self._tracks:
-            track.router.routing_hooks[:] = [h for h in track.router.routing_hooks
-                                             if getattr(h, "owner", None) is not self]
 
     # -- the steps ------------------------------------------------------------------------------
 
@@ -201,10 +192,10 @@ class RoutingStability:
         if len(track.probe) != len(track.probe_base):
             raise RuntimeError(f"layer {track.router.layer_number}: the probe saw "
                                f"{len(track.probe)} micro-batches, its base {len(track.probe_base)}")
-        for (dist, routed), (base_dist, base_routed) in zip(track.probe, track.probe_base):
-            sums[0] += routing_kl(track.router.score_function, base_dist, dist).double().sum()
+        for (scores, routed), (base_scores, base_routed) in zip(track.probe, track.probe_base):
+            sums[0] += routing_kl(track.router.score_function, base_scores, scores).double().sum()
             sums[1] += (routed & base_routed).sum().double() / track.router.topk
-            sums[2] += dist.shape[0]
+            sums[2] += scores.shape[0]
             sums[3:3 + num_experts] += base_routed.sum(dim=0).double()
             sums[3 + num_experts:] += routed.sum(dim=0).double()
         return sums
@@ -213,11 +204,11 @@ class RoutingStability:
         def hook(router, logits_TE, probs, routing_map_TE, valid_T):
             mode = self._mode
             if mode == "probe":
-                dist_TE = routing_scores(router, logits_TE).detach()
+                scores_TE = routing_scores(router, logits_TE).detach()
                 routed_TE = routing_map_TE.detach()
                 if valid_T is not None:
-                    dist_TE, routed_TE = dist_TE[valid_T], routed_TE[valid_T]
-                track.probe.append((dist_TE.cpu(), routed_TE.bool().cpu()))
+                    scores_TE, routed_TE = scores_TE[valid_T], routed_TE[valid_T]
+                track.probe.append((scores_TE.cpu(), routed_TE.bool().cpu()))
                 return probs
             if mode == "record_base":
                 track.base_queue.append(routing_scores(router, logits_TE).detach())
@@ -235,18 +226,17 @@ class RoutingStability:
                                            valid_T, self.kl_coeff)
             return probs
 
-        hook.owner = self
         return hook
 
 
 def _attach_routed_balance(router, logits_TE, probs, routing_map_TE, valid_T, coeff: float):
-    dist_TE = routing_distribution(router, logits_TE)
+    scores_TE = balance_scores(router, logits_TE)
     routed_TE = routing_map_TE if valid_T is None else routing_map_TE & valid_T.unsqueeze(-1)
     tokens_per_expert_E, local_tokens, total_tokens = get_tokens_per_expert_and_token_count(
         routing_map=routed_TE, reduce_group=router.tp_cp_group, topk=router.topk,
         with_padding_mask=valid_T is not None)
     loss = switch_load_balancing_loss_func(
-        probs=dist_TE, tokens_per_expert=tokens_per_expert_E, total_num_tokens=total_tokens,
+        probs=scores_TE, tokens_per_expert=tokens_per_expert_E, total_num_tokens=total_tokens,
         topk=router.topk, num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff,
         padding_mask=valid_T)
     return router.attach_and_log_load_balancing_loss(

@@ -23,9 +23,11 @@ class RunQuality:
                  forward_only: Callable[[list], object], probe: list) -> None:
         from megatron_slmoe.lora.inject import adapters_disabled
 
+        # Both routing-stability terms are for a frozen router (LoRA): a trained router and its
+        # expert bias keep routing balanced themselves.
         lora = run.model.finetune_mode == "lora"
         self.stability = RoutingStability(
-            [model], balance_coeff=run.moe.routed_balance_coeff,
+            [model], balance_coeff=run.moe.routed_balance_coeff if lora else 0.0,
             kl_coeff=run.moe.routing_kl_coeff if lora else 0.0,
             base_model=partial(adapters_disabled, [model]) if lora else None)
         # Drift is measured from the frozen base, which only a LoRA run has.
