@@ -52,6 +52,12 @@ def _check_data(run: RunConfig, model_config) -> None:
     from megatron_slmoe.data.tokenizer import load_tokenizer
 
     data = run.data
+    if data.format == "instruction" and model_config.transformer.get("masked_softmax_fusion"):
+        # Megatron's fused causal softmax (GPU, 16-bit) takes no mask: packed examples would see
+        # each other again.
+        raise ConfigError(f"{model_config.source}: masked_softmax_fusion: true would drop the "
+                          f"attention mask that keeps packed instruction examples apart; set it "
+                          f"to false")
     if data.seq_length > model_config.max_sequence_length:
         raise ConfigError(f"--seq-length {data.seq_length} exceeds the model's "
                           f"max_sequence_length {model_config.max_sequence_length} "

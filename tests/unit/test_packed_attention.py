@@ -1,7 +1,8 @@
 """Packed instruction rows keep their examples apart: through Megatron-Core's GPTModel (local
 DotProductAttention with the block-diagonal mask, restarted position ids), every example of a
 packed row gets the per-token losses it gets alone in its own row, as at generation time; with one
-causal mask over the row (the old packing) the later examples do not."""
+causal mask over the row (the old packing) the later examples do not. A model config whose fused
+softmax would drop the mask is refused for instruction data."""
 
 import pytest
 import torch
@@ -60,3 +61,24 @@ def test_mask_and_positions_by_hand():
     allowed = [[q >= k and segment_ids[0, q] == segment_ids[0, k] for k in range(6)]
                for q in range(6)]
     assert mask.tolist() == [[not a for a in row] for row in allowed]
+
+
+def test_a_fused_softmax_that_would_drop_the_mask_is_refused(tmp_path):
+    from tests.helpers.lora_models import MODEL_YAML
+
+    from megatron_slmoe.config.cli import parse_command_line
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.training.inputs import check_inputs
+
+    import megatron_slmoe
+
+    path = tmp_path / "fused.yaml"
+    path.write_text(MODEL_YAML.replace("  num_layers: 2\n",
+                                       "  num_layers: 2\n  masked_softmax_fusion: true\n")
+                    .replace("vocab_size: 64", "vocab_size: 512"))  # the shipped tokenizer's
+    run = parse_command_line(["--model-config", str(path), "--finetune-mode", "full",
+                              "--seq-length", "15"], prog="t", description="", world_size=1).run
+    with pytest.raises(ConfigError, match="masked_softmax_fusion: true would drop the attention"):
+        check_inputs(run, 1, megatron_slmoe.PLATFORM)
+    pretrain = run.replace("data", format="pretrain")
+    check_inputs(pretrain, 1, megatron_slmoe.PLATFORM)  # one causal mask: nothing to drop
