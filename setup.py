@@ -12,14 +12,25 @@ Environment:
     SLMOE_BUILD_NATIVE=0    pure-Python install: no extension, every op uses its torch reference.
     SLMOE_BUILD_CUDA=0|1    force the CUDA kernels (csrc/cuda/*.cu) off or on. Default: on when torch
                             is a CUDA build, a CUDA toolkit is found and csrc/cuda has sources.
+    SLMOE_BUILD_ASCEND=0|1  force the AscendC kernels (csrc/ascendc) off or on. Default: on when CANN
+                            is found (ASCEND_HOME_PATH with AscendC's CMake support), torch_npu is
+                            installed and cmake is on PATH. The kernels are compiled by CANN's
+                            toolchain through csrc/ascendc/CMakeLists.txt into
+                            megatron_slmoe/libslmoe_ascend_kernels.so; their torch_npu binding goes
+                            into megatron_slmoe._C.
+    SLMOE_ASCEND_SOC        the Ascend SoC the kernels are compiled for (default Ascend910B1; any
+                            Atlas A2/A3 part: Ascend910B*, Ascend910_93*).
     TORCH_CUDA_ARCH_LIST    GPU architectures of the CUDA kernels, as torch spells them ("8.0;9.0").
                             Default here: sm_80 and sm_90 machine code plus compute_90 PTX (the
                             kernels need sm_80 or newer).
     MAX_JOBS                parallel compile jobs (torch.utils.cpp_extension, with ninja).
 """
 
+import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import sys
 from glob import glob
 
@@ -72,6 +83,53 @@ def _use_cuda(torch, cuda_home, cuda_sources) -> bool:
     return torch.version.cuda is not None and cuda_home is not None and bool(cuda_sources)
 
 
+# Where CANN keeps ascendc.cmake (csrc/ascendc/CMakeLists.txt looks in the same places).
+_ASCENDC_CMAKE_DIRS = ("compiler/tikcpp/ascendc_kernel_cmake", "tools/tikcpp/ascendc_kernel_cmake",
+                       "ascendc_devkit/tikcpp/samples/cmake")
+_ASCEND_KERNEL_LIB = "libslmoe_ascend_kernels.so"
+
+
+def _ascend_build():
+    """(CANN root, torch_npu package dir) when the AscendC kernels are to be built, else None."""
+    forced = _env_flag("SLMOE_BUILD_ASCEND")
+    if forced is False:
+        return None
+    missing = []
+    home = os.environ.get("ASCEND_HOME_PATH", "").strip()
+    if not home:
+        missing.append("ASCEND_HOME_PATH is not set (source CANN's set_env.sh)")
+    elif not any(os.path.isfile(os.path.join(home, d, "ascendc.cmake")) for d in _ASCENDC_CMAKE_DIRS):
+        missing.append(f"ASCEND_HOME_PATH={home} has no AscendC CMake support (ascendc_kernel_cmake)")
+    spec = importlib.util.find_spec("torch_npu")
+    if spec is None or not spec.submodule_search_locations:
+        missing.append("torch_npu is not installed")
+    if shutil.which("cmake") is None:
+        missing.append("cmake is not on PATH")
+    if missing:
+        if forced:
+            _fail("SLMOE_BUILD_ASCEND=1 but " + "; ".join(missing))
+        return None
+    return home, list(spec.submodule_search_locations)[0]
+
+
+def _build_ascend_kernels(build_temp: str, package_dirs: list) -> None:
+    """Compiles csrc/ascendc's kernels with CANN's CMake support; copies the library into package_dirs."""
+    src = os.path.join(ROOT, "csrc", "ascendc")
+    out = os.path.join(os.path.abspath(build_temp), "ascendc")
+    soc = os.environ.get("SLMOE_ASCEND_SOC", "").strip() or "Ascend910B1"
+    jobs = os.environ.get("MAX_JOBS", "").strip() or str(os.cpu_count() or 1)
+    for cmd in (["cmake", "-S", src, "-B", out, f"-DSOC_VERSION={soc}", "-DCMAKE_BUILD_TYPE=Release"],
+                ["cmake", "--build", out, "--parallel", jobs]):
+        if subprocess.call(cmd) != 0:
+            _fail(f"building the AscendC kernels failed: {' '.join(cmd)}")
+    libs = glob(os.path.join(out, "**", _ASCEND_KERNEL_LIB), recursive=True)
+    if not libs:
+        _fail(f"the AscendC build made no {_ASCEND_KERNEL_LIB} under {out}")
+    for d in package_dirs:
+        os.makedirs(d, exist_ok=True)
+        shutil.copy2(libs[0], d)
+
+
 def _cuda_arch_flags() -> list:
     """nvcc -gencode flags, or none when TORCH_CUDA_ARCH_LIST is set.
 
@@ -110,6 +168,17 @@ def _native_extensions():
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_link_args=["-fopenmp"],
     )
+    ascend = _ascend_build()
+    if ascend is not None:
+        # csrc/ascendc: the torch_npu binding and the host planner (host compiler); the kernels
+        # themselves are CANN-compiled into a library next to _C (build_ext below), found via $ORIGIN.
+        cann, torch_npu_dir = ascend
+        sources += ["csrc/ascendc/lora_expert_npu.cpp", "csrc/ascendc/lora_tiling.cpp"]
+        kwargs["include_dirs"] += [os.path.join(torch_npu_dir, "include"), os.path.join(cann, "include")]
+        kwargs["library_dirs"] = [os.path.join(torch_npu_dir, "lib"), os.path.join(cann, "lib64"),
+                                  os.path.join(ROOT, "megatron_slmoe")]
+        kwargs["libraries"] = ["slmoe_ascend_kernels", "torch_npu", "ascendcl"]
+        kwargs["extra_link_args"] += ["-Wl,-rpath,$ORIGIN"]
     if _use_cuda(torch, CUDA_HOME, cuda_sources):
         # csrc/cuda: the kernels (*.cu, torch-free, nvcc) and their torch binding (*.cpp, host
         # compiler with the CUDA include paths). No --use_fast_math: results are compared against
@@ -121,7 +190,18 @@ def _native_extensions():
         )
     else:
         ext = CppExtension(sources=sources, extra_compile_args={"cxx": cxx_flags}, **kwargs)
-    return [ext], {"build_ext": BuildExtension}
+    if ascend is None:
+        return [ext], {"build_ext": BuildExtension}
+
+    class BuildExtWithAscend(BuildExtension):
+        """Builds the CANN kernel library first: _C links against it."""
+
+        def run(self):
+            _build_ascend_kernels(self.build_temp, [os.path.join(ROOT, "megatron_slmoe"),
+                                                    os.path.join(os.path.abspath(self.build_lib), "megatron_slmoe")])
+            super().run()
+
+    return [ext], {"build_ext": BuildExtWithAscend}
 
 
 ext_modules, cmdclass = _native_extensions()
@@ -133,7 +213,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_slmoe", "megatron_slmoe.*"]),
     package_data={"megatron_slmoe": ["model/configs/*.yaml", "assets/*.txt", "assets/*.jsonl",
-                                     "assets/*.json", "assets/*.md"]},
+                                     "assets/*.json", "assets/*.md", _ASCEND_KERNEL_LIB]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16,<0.17",

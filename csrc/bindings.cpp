@@ -2,7 +2,7 @@
 //
 // The ops are declared once here with TORCH_LIBRARY under the `slmoe` namespace; each device's
 // sources register their kernel for the same op with TORCH_LIBRARY_IMPL(slmoe, <Key>, m)
-// (csrc/cpu: CPU, csrc/cuda: CUDA, later AscendC: PrivateUse1). The dispatcher picks the kernel from
+// (csrc/cpu: CPU, csrc/cuda: CUDA, csrc/ascendc: PrivateUse1). The dispatcher picks the kernel from
 // the tensors' device, and Python asks it which devices have one (megatron_slmoe.ops.native_kernels).
 // We use the dispatcher rather than pybind functions so a device build only adds kernels, never
 // changes the Python surface.

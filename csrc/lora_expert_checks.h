@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace slmoe {
@@ -71,6 +72,37 @@ inline std::vector<int64_t> group_offsets(const at::Tensor& tokens_per_expert, i
   TORCH_CHECK_VALUE(offsets[E] == T, "lora_grouped_linear: tokens_per_expert sums to ", offsets[E],
                     " but x has ", T, " rows");
   return offsets;
+}
+
+// All checks of the forward: the grouped inputs, and lora_x (the LoRA input, x times a dropout
+// mask) like x when given. Returns the sizes.
+inline GroupedDims check_forward_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
+                                        const at::Tensor& lora_b, const at::Tensor& tokens_per_expert,
+                                        const std::optional<at::Tensor>& lora_x) {
+  const auto d = check_grouped_inputs(x, weight, lora_a, lora_b, tokens_per_expert);
+  if (lora_x.has_value()) {
+    check_like(*lora_x, x, "lora_x");
+    check_shape(*lora_x, x.sizes(), "lora_x", "like x");
+  }
+  return d;
+}
+
+// All checks of the backward: the grouped inputs (lora_x in the role of x), grad_y [T, d_out],
+// h [T, r], and the dropout mask like lora_x when given. Returns the sizes.
+inline GroupedDims check_backward_inputs(const at::Tensor& grad_y, const at::Tensor& lora_x, const at::Tensor& weight,
+                                         const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& h,
+                                         const at::Tensor& tokens_per_expert,
+                                         const std::optional<at::Tensor>& lora_mask) {
+  const auto d = check_grouped_inputs(lora_x, weight, lora_a, lora_b, tokens_per_expert);
+  check_like(grad_y, lora_x, "grad_y");
+  check_shape(grad_y, {d.T, d.d_out}, "grad_y", "[T, d_out]");
+  check_like(h, lora_x, "h");
+  check_shape(h, {d.T, d.r}, "h", "[T, r]");
+  if (lora_mask.has_value()) {
+    check_like(*lora_mask, lora_x, "lora_mask");
+    check_shape(*lora_mask, lora_x.sizes(), "lora_mask", "like x");
+  }
+  return d;
 }
 
 }  // namespace slmoe

@@ -1,12 +1,5 @@
-// CPU impl of the grouped LoRA expert op (schema in csrc/bindings.cpp).
-//
-// Rows arrive grouped by expert; expert e owns rows offsets[e]..offsets[e+1]. Each expert's GEMMs run
-// on narrow() views of the grouped buffers and write straight into the output, so there is no
-// gather/scatter copy and no per-expert Python.
-//
-//   h = x_l A^T                     (x_l = LoRA input: x, or x * dropout mask)
-//   y = x W^T + s h B^T
-//   dB = s dy^T h,  dh = s dy B,  dA = dh^T x_l,  dx = dy W + (dh A) [* mask]
+// CPU impl of the grouped LoRA expert op (schema in csrc/bindings.cpp): the per-expert ATen math of
+// lora_expert_aten.h, spread over the thread pool by for_each_expert below.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,6 +9,7 @@
 #include <numeric>
 #include <vector>
 
+#include "lora_expert_aten.h"
 #include "lora_expert_checks.h"
 
 namespace slmoe {
@@ -66,110 +60,29 @@ void for_each_expert(const std::vector<int64_t>& offsets, int64_t macs_per_row, 
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
-                                                               const at::Tensor& lora_a_in,
-                                                               const at::Tensor& lora_b_in,
-                                                               const at::Tensor& tokens_per_expert,
-                                                               double scaling,
-                                                               const std::optional<at::Tensor>& lora_x_in) {
-  const auto d = check_grouped_inputs(x_in, weight_in, lora_a_in, lora_b_in, tokens_per_expert);
-  if (lora_x_in.has_value()) {
-    check_like(*lora_x_in, x_in, "lora_x");
-    check_shape(*lora_x_in, x_in.sizes(), "lora_x", "like x");
-  }
+// for_each_expert as a value the shared ATen math can call.
+constexpr auto kCpuExperts = [](const std::vector<int64_t>& offsets, int64_t macs_per_row, const auto& fn) {
+  for_each_expert(offsets, macs_per_row, fn);
+};
+
+std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                                               const at::Tensor& lora_a, const at::Tensor& lora_b,
+                                                               const at::Tensor& tokens_per_expert, double scaling,
+                                                               const std::optional<at::Tensor>& lora_x) {
+  const auto d = check_forward_inputs(x, weight, lora_a, lora_b, tokens_per_expert, lora_x);
   const auto offsets = group_offsets(tokens_per_expert, d.T);
-  at::AutoDispatchBelowADInplaceOrView guard;
-
-  const auto x = x_in.contiguous();
-  const auto weight = weight_in.contiguous();
-  const auto lora_a = lora_a_in.contiguous();
-  const auto lora_b = lora_b_in.contiguous();
-  const auto lora_x = lora_x_in.has_value() ? lora_x_in->contiguous() : x;
-  auto y = at::empty({d.T, d.d_out}, x.options());
-  auto h = at::empty({d.T, d.r}, x.options());
-
-  const int64_t macs_per_row = d.d_in * d.d_out + d.r * (d.d_in + d.d_out);
-  for_each_expert(offsets, macs_per_row, [&](int64_t e) {
-    const int64_t off = offsets[e], n = offsets[e + 1] - off;
-    if (n == 0) return;
-    auto h_e = h.narrow(0, off, n);
-    auto y_e = y.narrow(0, off, n);
-    at::mm_out(h_e, lora_x.narrow(0, off, n), lora_a[e].t());
-    at::mm_out(y_e, x.narrow(0, off, n), weight[e].t());
-    y_e.addmm_(h_e, lora_b[e].t(), /*beta=*/1, /*alpha=*/scaling);
-  });
-  return {y, h};
+  return lora_grouped_linear_fwd_aten(d, offsets, x, weight, lora_a, lora_b, scaling, lora_x,
+                                      kCpuExperts);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_cpu(
-    const at::Tensor& grad_y_in, const at::Tensor& lora_x_in, const at::Tensor& weight_in,
-    const at::Tensor& lora_a_in, const at::Tensor& lora_b_in, const at::Tensor& h_in,
-    const at::Tensor& tokens_per_expert, double scaling, const std::optional<at::Tensor>& lora_mask_in,
-    std::array<bool, 3> output_mask) {
-  const auto d = check_grouped_inputs(lora_x_in, weight_in, lora_a_in, lora_b_in, tokens_per_expert);
-  check_like(grad_y_in, lora_x_in, "grad_y");
-  check_shape(grad_y_in, {d.T, d.d_out}, "grad_y", "[T, d_out]");
-  check_like(h_in, lora_x_in, "h");
-  check_shape(h_in, {d.T, d.r}, "h", "[T, r]");
-  if (lora_mask_in.has_value()) {
-    check_like(*lora_mask_in, lora_x_in, "lora_mask");
-    check_shape(*lora_mask_in, lora_x_in.sizes(), "lora_mask", "like x");
-  }
+    const at::Tensor& grad_y, const at::Tensor& lora_x, const at::Tensor& weight, const at::Tensor& lora_a,
+    const at::Tensor& lora_b, const at::Tensor& h, const at::Tensor& tokens_per_expert, double scaling,
+    const std::optional<at::Tensor>& lora_mask, std::array<bool, 3> output_mask) {
+  const auto d = check_backward_inputs(grad_y, lora_x, weight, lora_a, lora_b, h, tokens_per_expert, lora_mask);
   const auto offsets = group_offsets(tokens_per_expert, d.T);
-  const bool need_dx = output_mask[0], need_da = output_mask[1], need_db = output_mask[2];
-  at::AutoDispatchBelowADInplaceOrView guard;
-
-  const auto dy = grad_y_in.contiguous();
-  const auto lora_x = lora_x_in.contiguous();
-  const auto weight = weight_in.contiguous();
-  const auto lora_a = lora_a_in.contiguous();
-  const auto lora_b = lora_b_in.contiguous();
-  const auto h = h_in.contiguous();
-  std::optional<at::Tensor> mask;
-  if (lora_mask_in.has_value()) mask = lora_mask_in->contiguous();
-
-  const auto opts = lora_x.options();
-  at::Tensor dx = need_dx ? at::empty({d.T, d.d_in}, opts) : at::Tensor();
-  at::Tensor da = need_da ? at::empty({d.E, d.r, d.d_in}, opts) : at::Tensor();
-  at::Tensor db = need_db ? at::empty({d.E, d.d_out, d.r}, opts) : at::Tensor();
-  // dh feeds both dA and dx; one [T, r] buffer, each expert writes its own rows.
-  at::Tensor dh = (need_dx || need_da) ? at::empty({d.T, d.r}, opts) : at::Tensor();
-
-  const int64_t macs_per_row = d.d_in * d.d_out + 2 * d.r * (d.d_in + d.d_out);
-  for_each_expert(offsets, macs_per_row, [&](int64_t e) {
-    const int64_t off = offsets[e], n = offsets[e + 1] - off;
-    if (n == 0) {
-      // No rows routed here: the adapter's gradient is exactly zero.
-      if (need_da) da[e].zero_();
-      if (need_db) db[e].zero_();
-      return;
-    }
-    const auto dy_e = dy.narrow(0, off, n);
-    if (need_db) {
-      auto db_e = db[e];
-      at::mm_out(db_e, dy_e.t(), h.narrow(0, off, n));
-      db_e.mul_(scaling);
-    }
-    if (!need_dx && !need_da) return;
-    auto dh_e = dh.narrow(0, off, n);
-    at::mm_out(dh_e, dy_e, lora_b[e]);
-    dh_e.mul_(scaling);
-    if (need_da) {
-      auto da_e = da[e];
-      at::mm_out(da_e, dh_e.t(), lora_x.narrow(0, off, n));
-    }
-    if (need_dx) {
-      auto dx_e = dx.narrow(0, off, n);
-      at::mm_out(dx_e, dy_e, weight[e]);
-      if (mask.has_value()) {
-        // Dropout hit only the LoRA input, so only the LoRA term of dx is masked.
-        dx_e.addcmul_(at::mm(dh_e, lora_a[e]), mask->narrow(0, off, n));
-      } else {
-        dx_e.addmm_(dh_e, lora_a[e]);
-      }
-    }
-  });
-  return {dx, da, db};
+  return lora_grouped_linear_bwd_aten(d, offsets, grad_y, lora_x, weight, lora_a, lora_b, h, scaling, lora_mask,
+                                      output_mask, kCpuExperts);
 }
 
 }  // namespace

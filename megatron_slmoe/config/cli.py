@@ -122,7 +122,7 @@ def read_yaml(path: str) -> dict[str, dict[str, Any]]:
                                   f"{', '.join(known)})")
             hint = hints(cls)[key]
             if not matches(value, hint):
-                raise ConfigError(f"--config {path}: {section}.{key} ({known[key].metadata['flag']})"
+                raise ConfigError(f"--config {path}: {section}.{key}: {known[key].metadata['flag']}"
                                   f" must be {describe(hint)}, got {value!r}")
         values[section] = dict(content)
     return values

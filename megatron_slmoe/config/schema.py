@@ -75,8 +75,9 @@ class Section:
         return next(f.metadata["flag"] for f in settings(cls) if f.name == name)
 
     def fail(self, name: str, message: str) -> NoReturn:
-        """One line naming the field as YAML spells it and its flag: ``lora.rank (--lora-rank)``."""
-        raise ConfigError(f"{self.section_name}.{name} ({self.flag(name)}) {message}")
+        """One line naming the field as YAML spells it, then its flag:
+        ``lora.rank: --lora-rank must be ...``."""
+        raise ConfigError(f"{self.section_name}.{name}: {self.flag(name)} {message}")
 
     def check(self, condition: bool, name: str, message: str) -> None:
         if not condition:

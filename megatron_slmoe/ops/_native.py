@@ -17,6 +17,9 @@ import torch
 # Dispatch key of each device type we may run on (Ascend NPUs register as PrivateUse1).
 _DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA", "npu": "PrivateUse1"}
 
+# What registers each device's kernels in a native build.
+_KERNEL_SOURCES = {"cpu": "ATen (csrc/cpu)", "cuda": "CUDA (csrc/cuda)", "npu": "AscendC (csrc/ascendc)"}
+
 # Public op name -> the torch.ops.slmoe ops it needs, all of which must have a kernel.
 NATIVE_OPS = {
     "lora_grouped_linear": ("slmoe::lora_grouped_linear_fwd", "slmoe::lora_grouped_linear_bwd"),
@@ -59,10 +62,14 @@ def has_native_kernel(op: str, device_type: str) -> bool:
 
 
 def native_kernels() -> dict:
-    """What the native build provides: ``{"extension": bool, <op>: [device types with a kernel]}``."""
+    """What the native build provides: ``{"extension": bool, <op>: [device types with a kernel],
+    "implementations": {device type: the kernels' source}}``."""
     report: dict = {"extension": _load() is None}
+    devices = set()
     for op in NATIVE_OPS:
         report[op] = [dev for dev in _DISPATCH_KEY if has_native_kernel(op, dev)]
+        devices.update(report[op])
+    report["implementations"] = {dev: _KERNEL_SOURCES[dev] for dev in _DISPATCH_KEY if dev in devices}
     return report
 
 

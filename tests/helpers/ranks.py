@@ -72,8 +72,14 @@ def _serve(rank: int, world_size: int, port: int, tasks, done) -> None:
     platform.set_device(rank)
     torch.distributed.init_process_group(platform.backend, rank=rank, world_size=world_size,
                                          timeout=timedelta(seconds=120))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process died without closing the pool
+                break
+            continue
         if task is None:
             break
         fn, layout, kwargs, out_dir = task
@@ -98,10 +104,10 @@ class _Pool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.done = ctx.Queue()
         port = free_port()
-        # Not daemonic: Megatron's dist-checkpoint writer starts a multiprocessing Manager, which
-        # a daemonic process may not. The pools are closed at exit (_close_pools).
+        # Not daemons: a case may start processes of its own (Megatron's checkpoint writers).
+        # The pool is closed at exit, and a rank process whose parent died stops by itself.
         self.procs = [ctx.Process(target=_serve, args=(r, world_size, port, self.tasks[r],
-                                                       self.done), daemon=False)
+                                                       self.done))
                       for r in range(world_size)]
         for proc in self.procs:
             proc.start()

@@ -125,8 +125,8 @@ def test_every_flag_is_unique_and_every_field_is_read_by_package_code():
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("lora: {rank: 0}\n", "lora.rank (--lora-rank) must be an integer in 1..256"),
-    ("lora: {rank: eight}\n", "lora.rank (--lora-rank) must be int, got 'eight'"),
+    ("lora: {rank: 0}\n", "lora.rank: --lora-rank must be an integer in 1..256"),
+    ("lora: {rank: eight}\n", "lora.rank: --lora-rank must be int, got 'eight'"),
     ("lora: {ranks: 8}\n", "unknown key lora.ranks"),
     ("loraa: {rank: 8}\n", "unknown section 'loraa'"),
     ("- rank\n", "expected a mapping of sections"),

@@ -101,17 +101,21 @@ def _megatron_dispatcher(kind, num_experts, width, topk, ep):
 
 
 class _MegatronAdapter:
-    """Megatron's six-stage dispatcher API behind our dispatch/combine interface."""
+    """Megatron's six-stage dispatcher API behind our dispatch/combine contract (Megatron keeps
+    its per-call state on the dispatcher, so the plan is empty)."""
 
     def __init__(self, dispatcher):
         self.d = dispatcher
 
     def dispatch(self, x_TL, probs_TE, routing_map_TE):
+        from megatron_slmoe.moe.dispatch import Dispatched
+
         h, p = self.d.dispatch_preprocess(x_TL.unsqueeze(1), routing_map_TE, probs_TE)
         h, p = self.d.token_dispatch(h, p)
-        return self.d.dispatch_postprocess(h, p)
+        rows, tokens_per_expert, probs = self.d.dispatch_postprocess(h, p)
+        return Dispatched(rows, tokens_per_expert, probs, plan=None)
 
-    def combine(self, out_RL):
+    def combine(self, out_RL, plan):
         return self.d.combine_postprocess(self.d.token_combine(self.d.combine_preprocess(out_RL))).view(
             -1, out_RL.shape[-1])
 
@@ -120,8 +124,7 @@ def bench_shape(args, tokens, width, num_experts, platform):
     import torch
     from megatron.core import parallel_state
 
-    from megatron_slmoe.moe.dispatch import AllToAllDispatcher
-    from megatron_slmoe.moe.dispatch import AllGatherDispatcher
+    from megatron_slmoe.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     ep_group = parallel_state.get_expert_model_parallel_group()
@@ -148,8 +151,8 @@ def bench_shape(args, tokens, width, num_experts, platform):
     def run(dispatcher, backward=True):
         xi = x.clone().requires_grad_(backward)
         pi = probs.clone().requires_grad_(backward)
-        rows_RL, _, probs_R = dispatcher.dispatch(xi, pi, routing_map)
-        y = dispatcher.combine(rows_RL * probs_R.unsqueeze(-1).to(rows_RL.dtype))
+        d = dispatcher.dispatch(xi, pi, routing_map)
+        y = dispatcher.combine(d.rows_RL * d.probs_R.unsqueeze(-1).to(d.rows_RL.dtype), d.plan)
         if backward:
             y.backward(grad)
         return y.detach()

@@ -1,0 +1,117 @@
+// The grouped LoRA expert op as ATen calls per expert, on any device. The CPU kernel runs it on its
+// thread pool (csrc/cpu); the NPU binding runs it for the dtypes its AscendC kernel does not take
+// (csrc/ascendc). Arguments are checked by the caller (lora_expert_checks.h).
+//
+// Rows arrive grouped by expert; expert e owns rows offsets[e]..offsets[e+1]. Each expert's GEMMs run
+// on narrow() views of the grouped buffers and write straight into the output, so there is no
+// gather/scatter copy and no per-expert Python.
+//
+//   h = x_l A^T                     (x_l = LoRA input: x, or x * dropout mask)
+//   y = x W^T + s h B^T
+//   dB = s dy^T h,  dh = s dy B,  dA = dh^T x_l,  dx = dy W + (dh A) [* mask]
+//
+// for_each_expert(offsets, macs_per_row, fn) must call fn(e) once for every expert; it decides
+// where and in which order.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "lora_expert_checks.h"
+
+namespace slmoe {
+
+template <typename ForEachExpert>
+std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_aten(
+    const GroupedDims& d, const std::vector<int64_t>& offsets, const at::Tensor& x_in, const at::Tensor& weight_in,
+    const at::Tensor& lora_a_in, const at::Tensor& lora_b_in, double scaling,
+    const std::optional<at::Tensor>& lora_x_in, const ForEachExpert& for_each_expert) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  const auto x = x_in.contiguous();
+  const auto weight = weight_in.contiguous();
+  const auto lora_a = lora_a_in.contiguous();
+  const auto lora_b = lora_b_in.contiguous();
+  const auto lora_x = lora_x_in.has_value() ? lora_x_in->contiguous() : x;
+  auto y = at::empty({d.T, d.d_out}, x.options());
+  auto h = at::empty({d.T, d.r}, x.options());
+
+  const int64_t macs_per_row = d.d_in * d.d_out + d.r * (d.d_in + d.d_out);
+  for_each_expert(offsets, macs_per_row, [&](int64_t e) {
+    const int64_t off = offsets[e], n = offsets[e + 1] - off;
+    if (n == 0) return;
+    auto h_e = h.narrow(0, off, n);
+    auto y_e = y.narrow(0, off, n);
+    at::mm_out(h_e, lora_x.narrow(0, off, n), lora_a[e].t());
+    at::mm_out(y_e, x.narrow(0, off, n), weight[e].t());
+    y_e.addmm_(h_e, lora_b[e].t(), /*beta=*/1, /*alpha=*/scaling);
+  });
+  return {y, h};
+}
+
+template <typename ForEachExpert>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
+    const GroupedDims& d, const std::vector<int64_t>& offsets, const at::Tensor& grad_y_in,
+    const at::Tensor& lora_x_in, const at::Tensor& weight_in, const at::Tensor& lora_a_in,
+    const at::Tensor& lora_b_in, const at::Tensor& h_in, double scaling,
+    const std::optional<at::Tensor>& lora_mask_in, std::array<bool, 3> output_mask,
+    const ForEachExpert& for_each_expert) {
+  const bool need_dx = output_mask[0], need_da = output_mask[1], need_db = output_mask[2];
+  at::AutoDispatchBelowADInplaceOrView guard;
+  const auto dy = grad_y_in.contiguous();
+  const auto lora_x = lora_x_in.contiguous();
+  const auto weight = weight_in.contiguous();
+  const auto lora_a = lora_a_in.contiguous();
+  const auto lora_b = lora_b_in.contiguous();
+  const auto h = h_in.contiguous();
+  std::optional<at::Tensor> mask;
+  if (lora_mask_in.has_value()) mask = lora_mask_in->contiguous();
+
+  const auto opts = lora_x.options();
+  at::Tensor dx = need_dx ? at::empty({d.T, d.d_in}, opts) : at::Tensor();
+  at::Tensor da = need_da ? at::empty({d.E, d.r, d.d_in}, opts) : at::Tensor();
+  at::Tensor db = need_db ? at::empty({d.E, d.d_out, d.r}, opts) : at::Tensor();
+  // dh feeds both dA and dx; one [T, r] buffer, each expert writes its own rows.
+  at::Tensor dh = (need_dx || need_da) ? at::empty({d.T, d.r}, opts) : at::Tensor();
+
+  const int64_t macs_per_row = d.d_in * d.d_out + 2 * d.r * (d.d_in + d.d_out);
+  for_each_expert(offsets, macs_per_row, [&](int64_t e) {
+    const int64_t off = offsets[e], n = offsets[e + 1] - off;
+    if (n == 0) {
+      // No rows routed here: the adapter's gradient is exactly zero.
+      if (need_da) da[e].zero_();
+      if (need_db) db[e].zero_();
+      return;
+    }
+    const auto dy_e = dy.narrow(0, off, n);
+    if (need_db) {
+      auto db_e = db[e];
+      at::mm_out(db_e, dy_e.t(), h.narrow(0, off, n));
+      db_e.mul_(scaling);
+    }
+    if (!need_dx && !need_da) return;
+    auto dh_e = dh.narrow(0, off, n);
+    at::mm_out(dh_e, dy_e, lora_b[e]);
+    dh_e.mul_(scaling);
+    if (need_da) {
+      auto da_e = da[e];
+      at::mm_out(da_e, dh_e.t(), lora_x.narrow(0, off, n));
+    }
+    if (need_dx) {
+      auto dx_e = dx.narrow(0, off, n);
+      at::mm_out(dx_e, dy_e, weight[e]);
+      if (mask.has_value()) {
+        // Dropout hit only the LoRA input, so only the LoRA term of dx is masked.
+        dx_e.addcmul_(at::mm(dh_e, lora_a[e]), mask->narrow(0, off, n));
+      } else {
+        dx_e.addmm_(dh_e, lora_a[e]);
+      }
+    }
+  });
+  return {dx, da, db};
+}
+
+}  // namespace slmoe
