@@ -54,5 +54,5 @@ def test_lora_without_a_base_is_refused_in_one_line(tmp_path):
 def test_bad_flag_is_one_line_before_any_process_starts(tmp_path):
     proc = _run(["--train-iters", "0", "--output-dir", str(tmp_path)], {})
     assert proc.returncode == 2
-    assert "(--train-iters) must be positive" in proc.stderr
+    assert "--train-iters must be positive" in proc.stderr
     assert "Traceback" not in proc.stderr

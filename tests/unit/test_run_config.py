@@ -152,7 +152,7 @@ def test_bad_yaml_is_one_line_naming_file_key_or_flag(tmp_path, text, needle):
     (["--lora-target-modules", "router", "router"], "names a target twice"),
     (["--moe-routing-kl-coeff", "0.1", "--finetune-mode", "full"],
      "--moe-routing-kl-coeff needs --finetune-mode lora"),
-    (["--moe-monitor-min-tokens", "-1"], "monitor.min_routed_tokens (--moe-monitor-min-tokens)"),
+    (["--moe-monitor-min-tokens", "-1"], "monitor.min_routed_tokens: --moe-monitor-min-tokens must be >= 0"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(argv, needle):
     with pytest.raises(ConfigError) as err:
