@@ -66,7 +66,7 @@ def test_static_master_layout_and_settings(sandbox):
     train = commands["training"]
     assert train.startswith(f"{sandbox['env']['TORCHRUN']} {layout} -m megatron_slmoe.training.finetune ")
     assert "--tensor-model-parallel-size 2" in train and "--distributed-timeout-minutes 7" in train
-    assert train.endswith(f"--train-iters 15 --lr-warmup-iters 0 --output-dir {out_dir}")
+    assert train.endswith(f"{' '.join(sandbox['small'])} --output-dir {out_dir}")
     pre = commands["preflight"]
     assert f"{layout} -m megatron_slmoe.preflight --report {out_dir}/preflight.json -- " in pre
     assert f"# log: {out_dir}/node1.log" in lines
