@@ -227,7 +227,10 @@ setup(
     extras_require={
         "gpu": ["transformer-engine"],
         "npu": ["torch_npu", "mindspeed"],
-        "test": ["pytest", "pytest-timeout"],
+        # Hugging Face interop (megatron_slmoe.hf): model families, import, the SL-MoE model class.
+        # Tested with 5.24; the 5.x series holds experts as fused 3D tensors in memory.
+        "hf": ["transformers>=5.24,<6"],
+        "test": ["pytest", "pytest-timeout", "transformers>=5.24,<6"],
     },
     entry_points={"console_scripts": [
         "slmoe-finetune = megatron_slmoe.training.finetune:main",
@@ -235,6 +238,7 @@ setup(
         "slmoe-generate = megatron_slmoe.commands.generate:main",
         "slmoe-plot-run = megatron_slmoe.commands.plot_run:main",
         "slmoe-rank-sweep = megatron_slmoe.commands.rank_sweep:main",
+        "slmoe-convert-hf = megatron_slmoe.commands.convert_hf:main",
         "slmoe-count-params = megatron_slmoe.commands.count_params:main",
         "slmoe-preprocess-data = megatron_slmoe.commands.preprocess_data:main",
         "slmoe-train-tokenizer = megatron_slmoe.commands.train_tokenizer:main",

@@ -13,16 +13,22 @@
 TORCH_LIBRARY(slmoe, m) {
   // Rows of x are grouped by expert; tokens_per_expert (int64, CPU) gives the group sizes.
   // lora_x, when given, replaces x as the LoRA input (x times a dropout mask).
-  // Returns y [T, d_out] and h = lora_x A^T [T, r], kept for the backward.
+  // probs [T] (x's dtype), when given, scales each output row: y = probs * (x W^T + s h B^T) (the
+  // router probability of an expert row; fc2 being linear, the same as scaling its input).
+  // Returns y [T, d_out] and h = lora_x A^T [T, r] (never scaled), kept for the backward.
   m.def(
       "lora_grouped_linear_fwd(Tensor x, Tensor weight, Tensor lora_a, Tensor lora_b, "
-      "Tensor tokens_per_expert, float scaling, Tensor? lora_x=None) -> (Tensor, Tensor)");
+      "Tensor tokens_per_expert, float scaling, Tensor? lora_x=None, Tensor? probs=None) "
+      "-> (Tensor, Tensor)");
   // Returns (dx, dA, dB); an output whose output_mask entry is false comes back undefined (None).
   // lora_mask, when given, is the dropout mask that made lora_x, applied to the LoRA term of dx.
+  // probs, when given, is the forward's: dA and dB are for the scaled output, and dx comes back
+  // WITHOUT the row scale, g = dy W + (s dy B A) [* mask]; the caller forms dx = probs * g and
+  // dprobs = rowsum(x * g) from it (no further GEMM).
   m.def(
       "lora_grouped_linear_bwd(Tensor grad_y, Tensor lora_x, Tensor weight, Tensor lora_a, "
       "Tensor lora_b, Tensor h, Tensor tokens_per_expert, float scaling, Tensor? lora_mask=None, "
-      "bool[3] output_mask=[True, True, True]) -> (Tensor, Tensor, Tensor)");
+      "bool[3] output_mask=[True, True, True], Tensor? probs=None) -> (Tensor, Tensor, Tensor)");
 }
 
 // `import megatron_slmoe._C` only needs a module object; loading the library runs the static

@@ -7,8 +7,10 @@
 // gather/scatter copy and no per-expert Python.
 //
 //   h = x_l A^T                     (x_l = LoRA input: x, or x * dropout mask)
-//   y = x W^T + s h B^T
+//   y = x W^T + s h B^T             (times p per row when probs p are given)
 //   dB = s dy^T h,  dh = s dy B,  dA = dh^T x_l,  dx = dy W + (dh A) [* mask]
+// With probs the output was p * y, so dB = s dy^T (p h) and dA = (p dh)^T x_l, and dx comes back
+// without the row scale (the caller forms p * dx and rowsum(x * dx), see csrc/bindings.cpp).
 //
 // for_each_expert(offsets, macs_per_row, fn) must call fn(e) once for every expert; it decides
 // where and in which order.
@@ -29,13 +31,16 @@ template <typename ForEachExpert>
 std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_aten(
     const GroupedDims& d, const std::vector<int64_t>& offsets, const at::Tensor& x_in, const at::Tensor& weight_in,
     const at::Tensor& lora_a_in, const at::Tensor& lora_b_in, double scaling,
-    const std::optional<at::Tensor>& lora_x_in, const ForEachExpert& for_each_expert) {
+    const std::optional<at::Tensor>& lora_x_in, const std::optional<at::Tensor>& probs_in,
+    const ForEachExpert& for_each_expert) {
   at::AutoDispatchBelowADInplaceOrView guard;
   const auto x = x_in.contiguous();
   const auto weight = weight_in.contiguous();
   const auto lora_a = lora_a_in.contiguous();
   const auto lora_b = lora_b_in.contiguous();
   const auto lora_x = lora_x_in.has_value() ? lora_x_in->contiguous() : x;
+  std::optional<at::Tensor> probs;
+  if (probs_in.has_value()) probs = probs_in->contiguous().unsqueeze(1);
   auto y = at::empty({d.T, d.d_out}, x.options());
   auto h = at::empty({d.T, d.r}, x.options());
 
@@ -48,6 +53,7 @@ std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_aten(
     at::mm_out(h_e, lora_x.narrow(0, off, n), lora_a[e].t());
     at::mm_out(y_e, x.narrow(0, off, n), weight[e].t());
     y_e.addmm_(h_e, lora_b[e].t(), /*beta=*/1, /*alpha=*/scaling);
+    if (probs.has_value()) y_e.mul_(probs->narrow(0, off, n));  // while the tile is in cache
   });
   return {y, h};
 }
@@ -58,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
     const at::Tensor& lora_x_in, const at::Tensor& weight_in, const at::Tensor& lora_a_in,
     const at::Tensor& lora_b_in, const at::Tensor& h_in, double scaling,
     const std::optional<at::Tensor>& lora_mask_in, std::array<bool, 3> output_mask,
-    const ForEachExpert& for_each_expert) {
+    const std::optional<at::Tensor>& probs_in, const ForEachExpert& for_each_expert) {
   const bool need_dx = output_mask[0], need_da = output_mask[1], need_db = output_mask[2];
   at::AutoDispatchBelowADInplaceOrView guard;
   const auto dy = grad_y_in.contiguous();
@@ -69,6 +75,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
   const auto h = h_in.contiguous();
   std::optional<at::Tensor> mask;
   if (lora_mask_in.has_value()) mask = lora_mask_in->contiguous();
+  std::optional<at::Tensor> probs;
+  if (probs_in.has_value()) probs = probs_in->contiguous().unsqueeze(1);
 
   const auto opts = lora_x.options();
   at::Tensor dx = need_dx ? at::empty({d.T, d.d_in}, opts) : at::Tensor();
@@ -87,9 +95,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
       return;
     }
     const auto dy_e = dy.narrow(0, off, n);
+    // The output's row scale reaches dA and dB through the rank-wide h and dh (cheaper than dy).
+    const auto p_e = probs.has_value() ? std::optional<at::Tensor>(probs->narrow(0, off, n)) : std::nullopt;
     if (need_db) {
       auto db_e = db[e];
-      at::mm_out(db_e, dy_e.t(), h.narrow(0, off, n));
+      const auto h_e = h.narrow(0, off, n);
+      at::mm_out(db_e, dy_e.t(), p_e.has_value() ? h_e * *p_e : h_e);
       db_e.mul_(scaling);
     }
     if (!need_dx && !need_da) return;
@@ -98,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
     dh_e.mul_(scaling);
     if (need_da) {
       auto da_e = da[e];
-      at::mm_out(da_e, dh_e.t(), lora_x.narrow(0, off, n));
+      at::mm_out(da_e, (p_e.has_value() ? dh_e * *p_e : dh_e).t(), lora_x.narrow(0, off, n));
     }
     if (need_dx) {
       auto dx_e = dx.narrow(0, off, n);

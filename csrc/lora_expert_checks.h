@@ -59,6 +59,13 @@ inline GroupedDims check_grouped_inputs(const at::Tensor& x, const at::Tensor& w
   return d;
 }
 
+// The optional per-row scale of the output: [T], x's dtype and device.
+inline void check_probs(const std::optional<at::Tensor>& probs, const at::Tensor& x) {
+  if (!probs.has_value()) return;
+  check_like(*probs, x, "probs");
+  check_shape(*probs, {x.size(0)}, "probs", "[T]");
+}
+
 // Row offset of each expert's group: offsets[e]..offsets[e + 1]. Checks the counts cover x exactly.
 inline std::vector<int64_t> group_offsets(const at::Tensor& tokens_per_expert, int64_t T) {
   const auto counts = tokens_per_expert.contiguous();
@@ -74,12 +81,14 @@ inline std::vector<int64_t> group_offsets(const at::Tensor& tokens_per_expert, i
   return offsets;
 }
 
-// All checks of the forward: the grouped inputs, and lora_x (the LoRA input, x times a dropout
-// mask) like x when given. Returns the sizes.
+// All checks of the forward: the grouped inputs, lora_x (the LoRA input, x times a dropout mask)
+// like x and probs [T] when given. Returns the sizes.
 inline GroupedDims check_forward_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_a,
                                         const at::Tensor& lora_b, const at::Tensor& tokens_per_expert,
-                                        const std::optional<at::Tensor>& lora_x) {
+                                        const std::optional<at::Tensor>& lora_x,
+                                        const std::optional<at::Tensor>& probs) {
   const auto d = check_grouped_inputs(x, weight, lora_a, lora_b, tokens_per_expert);
+  check_probs(probs, x);
   if (lora_x.has_value()) {
     check_like(*lora_x, x, "lora_x");
     check_shape(*lora_x, x.sizes(), "lora_x", "like x");
@@ -88,12 +97,14 @@ inline GroupedDims check_forward_inputs(const at::Tensor& x, const at::Tensor& w
 }
 
 // All checks of the backward: the grouped inputs (lora_x in the role of x), grad_y [T, d_out],
-// h [T, r], and the dropout mask like lora_x when given. Returns the sizes.
+// h [T, r], the dropout mask like lora_x and probs [T] when given. Returns the sizes.
 inline GroupedDims check_backward_inputs(const at::Tensor& grad_y, const at::Tensor& lora_x, const at::Tensor& weight,
                                          const at::Tensor& lora_a, const at::Tensor& lora_b, const at::Tensor& h,
                                          const at::Tensor& tokens_per_expert,
-                                         const std::optional<at::Tensor>& lora_mask) {
+                                         const std::optional<at::Tensor>& lora_mask,
+                                         const std::optional<at::Tensor>& probs) {
   const auto d = check_grouped_inputs(lora_x, weight, lora_a, lora_b, tokens_per_expert);
+  check_probs(probs, lora_x);
   check_like(grad_y, lora_x, "grad_y");
   check_shape(grad_y, {d.T, d.d_out}, "grad_y", "[T, d_out]");
   check_like(h, lora_x, "h");

@@ -32,7 +32,7 @@
 #   SLMOE_PREFLIGHT_ARGS (e.g. "--size-mb 256 --p2p-time-budget 30").
 # Logs: each node appends its output to <output dir>/node<NODE_RANK>.log (runs/logs/ without
 #   --output-dir), and prints it too.
-# Settings: the variables of the arrays below (MODEL_CONFIG, TP, EP, LORA_RANK, TRAIN_ITERS, ...);
+# Settings: the variables of the arrays below (MODEL_CONFIG or HF_CHECKPOINT, TP, EP, LORA_RANK, ...);
 #   unset ones leave the entry point's default, shown in brackets. With no flags at all the demo
 #   runs, on these settings plus its own.
 # Demo only: SLMOE_DEMO_DIR (default runs/demo), SLMOE_DEMO_BASE_ITERS (300),
@@ -108,6 +108,9 @@ MODEL_ARGS=()
 slmoe_opt MODEL_ARGS --config "${RUN_CONFIG:-}"                   # YAML file of flags [none]
 slmoe_opt MODEL_ARGS --model-config "${MODEL_CONFIG:-}"           # packaged name or YAML [tiny]
 slmoe_opt MODEL_ARGS --base-checkpoint "${BASE_CHECKPOINT:-}"     # dist checkpoint [random init]
+# A Hugging Face checkpoint directory: the model, its weights (read rank-locally) and the default
+# tokenizer; instead of MODEL_CONFIG and BASE_CHECKPOINT [none]
+slmoe_opt MODEL_ARGS --hf-checkpoint "${HF_CHECKPOINT:-}"
 slmoe_opt MODEL_ARGS --finetune-mode "${FINETUNE_MODE:-}"         # lora | full [lora]
 
 MODEL_PARALLEL_ARGS=()
@@ -134,7 +137,7 @@ DATA_ARGS=()
 slmoe_opt DATA_ARGS --data-format "${DATA_FORMAT:-}"              # instruction | pretrain [instruction]
 slmoe_opt DATA_ARGS --train-data "${TRAIN_DATA:-}"                # [the shipped demo task]
 slmoe_opt DATA_ARGS --valid-data "${VALID_DATA:-}"
-slmoe_opt DATA_ARGS --tokenizer "${TOKENIZER:-}"                  # [the shipped tokenizer]
+slmoe_opt DATA_ARGS --tokenizer "${TOKENIZER:-}"          # [HF_CHECKPOINT's, else the shipped one]
 slmoe_opt DATA_ARGS --seq-length "${SEQ_LENGTH:-}"                # [128]
 
 TRAINING_ARGS=()

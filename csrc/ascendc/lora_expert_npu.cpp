@@ -134,13 +134,14 @@ std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_npu(const at::Tensor&
                                                                const at::Tensor& lora_a_in,
                                                                const at::Tensor& lora_b_in,
                                                                const at::Tensor& tokens_per_expert, double scaling,
-                                                               const std::optional<at::Tensor>& lora_x_in) {
-  const auto d = check_forward_inputs(x_in, weight_in, lora_a_in, lora_b_in, tokens_per_expert, lora_x_in);
+                                                               const std::optional<at::Tensor>& lora_x_in,
+                                                               const std::optional<at::Tensor>& probs) {
+  const auto d = check_forward_inputs(x_in, weight_in, lora_a_in, lora_b_in, tokens_per_expert, lora_x_in, probs);
   const auto offsets = group_offsets(tokens_per_expert, d.T);
   const c10_npu::OptionalNPUGuard device_guard(x_in.device());
   if (!npu_kernel_dtype(x_in)) {
     return lora_grouped_linear_fwd_aten(d, offsets, x_in, weight_in, lora_a_in, lora_b_in, scaling, lora_x_in,
-                                        kSerialExperts);
+                                        probs, kSerialExperts);
   }
   check_npu_limits(d);
   at::AutoDispatchBelowADInplaceOrView guard;
@@ -159,6 +160,8 @@ std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_npu(const at::Tensor&
   run_launches(slmoe_ascend::plan_forward(lora_dims(d, scaling), counts.data_ptr<int64_t>(),
                                           device_caps(x.device().index())),
                x, t);
+  // The row scale as a separate pass (the kernel's epilogue does not take one yet).
+  if (probs.has_value()) y.mul_(probs->unsqueeze(1));
   return {y, h};
 }
 
@@ -166,25 +169,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_npu(
     const at::Tensor& grad_y_in, const at::Tensor& lora_x_in, const at::Tensor& weight_in,
     const at::Tensor& lora_a_in, const at::Tensor& lora_b_in, const at::Tensor& h_in,
     const at::Tensor& tokens_per_expert, double scaling, const std::optional<at::Tensor>& lora_mask_in,
-    std::array<bool, 3> output_mask) {
+    std::array<bool, 3> output_mask, const std::optional<at::Tensor>& probs) {
   const auto d = check_backward_inputs(grad_y_in, lora_x_in, weight_in, lora_a_in, lora_b_in, h_in,
-                                       tokens_per_expert, lora_mask_in);
+                                       tokens_per_expert, lora_mask_in, probs);
   const auto offsets = group_offsets(tokens_per_expert, d.T);
   const c10_npu::OptionalNPUGuard device_guard(lora_x_in.device());
   if (!npu_kernel_dtype(lora_x_in)) {
     return lora_grouped_linear_bwd_aten(d, offsets, grad_y_in, lora_x_in, weight_in, lora_a_in, lora_b_in, h_in,
-                                        scaling, lora_mask_in, output_mask, kSerialExperts);
+                                        scaling, lora_mask_in, output_mask, probs, kSerialExperts);
   }
   check_npu_limits(d);
   const bool need_dx = output_mask[0], need_da = output_mask[1], need_db = output_mask[2];
   at::AutoDispatchBelowADInplaceOrView guard;
   TensorTable t;
+  // With probs p the output was p * y: dB = s dy^T (p h) and dA = dh^T (p lora_x), while dx (which
+  // reads neither h nor lora_x) comes back unscaled, as the schema says.
+  const auto row_scale = probs.has_value() ? std::optional<at::Tensor>(probs->unsqueeze(1)) : std::nullopt;
+  const bool scale_x = row_scale.has_value() && need_da, scale_h = row_scale.has_value() && need_db;
   t[slmoe_ascend::kTensorGradY] = grad_y_in.contiguous();
-  t[slmoe_ascend::kTensorLoraX] = lora_x_in.contiguous();
+  t[slmoe_ascend::kTensorLoraX] = scale_x ? (lora_x_in * *row_scale).contiguous() : lora_x_in.contiguous();
   t[slmoe_ascend::kTensorWeight] = weight_in.contiguous();
   t[slmoe_ascend::kTensorLoraA] = lora_a_in.contiguous();
   t[slmoe_ascend::kTensorLoraB] = lora_b_in.contiguous();
-  t[slmoe_ascend::kTensorH] = h_in.contiguous();
+  t[slmoe_ascend::kTensorH] = scale_h ? (h_in * *row_scale).contiguous() : h_in.contiguous();
   if (lora_mask_in.has_value()) t[slmoe_ascend::kTensorMask] = lora_mask_in->contiguous();
   const auto opts = t[slmoe_ascend::kTensorLoraX].options();
   at::Tensor dx = need_dx ? at::empty({d.T, d.d_in}, opts) : at::Tensor();

@@ -61,12 +61,14 @@ std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_cuda(const at::Tensor
                                                                 const at::Tensor& lora_b_in,
                                                                 const at::Tensor& tokens_per_expert,
                                                                 double scaling,
-                                                                const std::optional<at::Tensor>& lora_x_in) {
+                                                                const std::optional<at::Tensor>& lora_x_in,
+                                                                const std::optional<at::Tensor>& probs) {
   const auto d = check_grouped_inputs(x_in, weight_in, lora_a_in, lora_b_in, tokens_per_expert);
   if (lora_x_in.has_value()) {
     check_like(*lora_x_in, x_in, "lora_x");
     check_shape(*lora_x_in, x_in.sizes(), "lora_x", "like x");
   }
+  check_probs(probs, x_in);
   group_offsets(tokens_per_expert, d.T);  // validates the counts; the kernels recompute offsets on the device
   check_cuda_limits(d);
   at::AutoDispatchBelowADInplaceOrView guard;
@@ -101,6 +103,9 @@ std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_cuda(const at::Tensor
   args.h = h.data_ptr();
   args.workspace = ws.data_ptr<int32_t>();
   C10_CUDA_CHECK(cuda::lora_grouped_linear_fwd(args, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()));
+  // The row scale as a separate pass for now (a per-row epilogue scale in the fused GEMM would
+  // save it).
+  if (probs.has_value()) y.mul_(probs->unsqueeze(1));
   return {y, h};
 }
 
@@ -108,8 +113,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_cuda(
     const at::Tensor& grad_y_in, const at::Tensor& lora_x_in, const at::Tensor& weight_in,
     const at::Tensor& lora_a_in, const at::Tensor& lora_b_in, const at::Tensor& h_in,
     const at::Tensor& tokens_per_expert, double scaling, const std::optional<at::Tensor>& lora_mask_in,
-    std::array<bool, 3> output_mask) {
+    std::array<bool, 3> output_mask, const std::optional<at::Tensor>& probs) {
   const auto d = check_grouped_inputs(lora_x_in, weight_in, lora_a_in, lora_b_in, tokens_per_expert);
+  check_probs(probs, lora_x_in);
   check_like(grad_y_in, lora_x_in, "grad_y");
   check_shape(grad_y_in, {d.T, d.d_out}, "grad_y", "[T, d_out]");
   check_like(h_in, lora_x_in, "h");
@@ -125,11 +131,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_cuda(
   const c10::cuda::CUDAGuard device_guard(lora_x_in.device());
 
   const auto dy = grad_y_in.contiguous();
-  const auto lora_x = lora_x_in.contiguous();
+  // With probs p the output was p * y: dB = s dy^T (p h) and dA = dh^T (p lora_x), while dx (which
+  // reads neither h nor lora_x) comes back unscaled, as the schema says.
+  const auto row_scale = probs.has_value() ? std::optional<at::Tensor>(probs->unsqueeze(1)) : std::nullopt;
+  const bool scale_x = row_scale.has_value() && output_mask[1], scale_h = row_scale.has_value() && output_mask[2];
+  const auto lora_x = scale_x ? (lora_x_in * *row_scale).contiguous() : lora_x_in.contiguous();
   const auto weight = weight_in.contiguous();
   const auto lora_a = lora_a_in.contiguous();
   const auto lora_b = lora_b_in.contiguous();
-  const auto h = h_in.contiguous();
+  const auto h = scale_h ? (h_in * *row_scale).contiguous() : h_in.contiguous();
   const auto mask = lora_mask_in.has_value() ? std::optional<at::Tensor>(lora_mask_in->contiguous()) : std::nullopt;
 
   const auto opts = lora_x.options();

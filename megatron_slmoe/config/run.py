@@ -32,6 +32,19 @@ class ModelSection(Section):
     base_checkpoint: Optional[str] = setting(
         None, flag="--base-checkpoint",
         help="Megatron dist checkpoint with the base weights (default: random initialisation)")
+    hf_checkpoint: Optional[str] = setting(
+        None, flag="--hf-checkpoint",
+        help="Hugging Face checkpoint directory (config.json, safetensors shards): the model is "
+             "built from its config.json and each rank reads only its own slices of the weights; "
+             "also the default --tokenizer (instead of --model-config and --base-checkpoint)")
+    hf_shape_check: bool = setting(
+        True, flag="--hf-shape-check",
+        help="with --hf-checkpoint: check every tensor's presence and shape against config.json "
+             "before starting (--no-hf-shape-check: only when a rank reads it)")
+    hf_unmap_mib: int = setting(
+        64, flag="--hf-unmap-mib",
+        help="with --hf-checkpoint: MiB of shard file pages a rank keeps mapped while loading (its "
+             "peak host memory is its shard, one source tensor and this window)")
     adapter_init: Optional[str] = setting(
         None, flag="--adapter-init",
         help="start from this adapter directory instead of fresh LoRA weights")
@@ -48,6 +61,13 @@ class ModelSection(Section):
         self.check(bool(self.config), "config", "must name a model config")
         if self.finetune_mode == "full" and self.adapter_init:
             raise ConfigError("--adapter-init needs --finetune-mode lora")
+        self.check_positive("hf_unmap_mib")
+        if self.hf_checkpoint is not None:
+            self.check(bool(self.hf_checkpoint), "hf_checkpoint", "must be a directory")
+            self.check(not self.base_checkpoint, "hf_checkpoint",
+                       "and --base-checkpoint are exclusive: the base weights come from one of them")
+            self.check(self.config == type(self).config, "hf_checkpoint",
+                       "and --model-config are exclusive: the model is the checkpoint's config.json")
 
 
 @dataclass(frozen=True)
@@ -114,8 +134,8 @@ class MoERunConfig(Section):
         help="ranks per node for the hierarchical all-to-all (default: LOCAL_WORLD_SIZE)")
     overlap_chunks: Optional[int] = setting(
         None, flag="--moe-overlap-chunks",
-        help="overlap the flat all-to-all with expert compute over this many token chunks "
-             "(default: the model config's, 1 = no overlap)")
+        help="overlap the all-to-all (flat or hierarchical) with expert compute over this many "
+             "token chunks, forward and backward (default: the model config's, 1 = no overlap)")
     routed_balance_coeff: float = setting(
         0.1, flag="--moe-routed-balance-coeff",
         help="with --finetune-mode lora: load-balancing loss on the routing actually used "
@@ -191,8 +211,11 @@ class DataConfig(Section):
         None, flag="--train-data",
         help="instruction JSONL, or an indexed dataset prefix (default: the shipped demo data)")
     valid_data: Optional[str] = setting(None, flag="--valid-data", help="held-out data")
-    tokenizer: Optional[str] = setting(None, flag="--tokenizer",
-                                       help="tokenizer.json (default: the shipped one)")
+    tokenizer: Optional[str] = setting(
+        None, flag="--tokenizer",
+        help="tokenizer.json, or a Hugging Face checkpoint directory (tokenizer.json with the "
+             "special tokens and chat template of tokenizer_config.json) (default: the "
+             "--hf-checkpoint's, else the shipped one)")
     seq_length: int = setting(128, flag="--seq-length", help="tokens per sample")
 
     def validate(self) -> None:

@@ -205,8 +205,14 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[Message]) -> Tuple[List
     """(token ids, target flags) of one conversation in the chat template (see module doc).
 
     ``targets[j] == 1`` when ``ids[j]`` is an assistant content token or the ``<|eos|>`` closing
-    an assistant turn: the tokens the loss is taken on (as labels, one position earlier).
+    an assistant turn: the tokens the loss is taken on (as labels, one position earlier). A
+    tokenizer with its own chat template (a Hugging Face checkpoint's) renders with that instead
+    (``data/chat_template.py``).
     """
+    if tokenizer.chat_template is not None:
+        from megatron_slmoe.data import chat_template
+
+        return chat_template.render_chat(tokenizer, messages)
     ids: List[int] = []
     targets: List[int] = []
     for m in messages:
@@ -228,6 +234,10 @@ def build_generation_prompt(tokenizer: Tokenizer, messages: Sequence[Message]) -
     ``tokenizer.eos_id``."""
     if messages and messages[-1]["role"] == "assistant":
         raise DataError("build_generation_prompt: the last message is already the assistant's")
+    if tokenizer.chat_template is not None:
+        from megatron_slmoe.data import chat_template
+
+        return chat_template.generation_prompt(tokenizer, messages)
     ids, _ = render_chat(tokenizer, messages)
     return ids + [tokenizer.role_id("assistant")]
 

@@ -15,7 +15,13 @@ order (``<|pad|>`` = 0, ``<|eos|>`` = 1, ...). A loaded tokenizer must have at l
 characters ``<|eos|>`` cannot forge an end-of-sequence token. Special token ids are placed by
 the caller (``encode(..., allow_special=True)`` opts out).
 
-Nothing here downloads: a tokenizer is a local ``tokenizer.json`` file.
+Hugging Face checkpoint directories: ``load_tokenizer(DIR)`` reads ``DIR/tokenizer.json`` and the
+special tokens and chat template of ``DIR/tokenizer_config.json`` (or ``chat_template.jinja``). Its
+end-of-sequence token is the config's ``eos_token``, padding its ``pad_token`` (else the eos
+token); instruction data is then rendered with the model's own chat template
+(``data/chat_template.py``) instead of the role tokens above.
+
+Nothing here downloads: a tokenizer is a local ``tokenizer.json`` file or checkpoint directory.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import json
 import os
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
-from megatron_slmoe.data.errors import DataError, require_file
+from megatron_slmoe.data.errors import DataError, DataFileNotFoundError, require_file
 from megatron_slmoe.utils.atomic import write_text_atomic
 
 PAD = "<|pad|>"
@@ -50,9 +56,14 @@ def _tokenizers():
 
 
 class Tokenizer:
-    """A loaded byte-level BPE tokenizer. Build it with :func:`load_tokenizer`."""
+    """A loaded byte-level BPE tokenizer. Build it with :func:`load_tokenizer`.
 
-    def __init__(self, backend, path: Optional[str] = None):
+    ``pad``, ``eos``, ``bos`` name the special tokens of those roles (ours by default; a Hugging
+    Face directory's from its tokenizer_config.json); ``chat_template`` is a Jinja chat template
+    or None (ours: the role-token template of ``data/instruction.py``)."""
+
+    def __init__(self, backend, path: Optional[str] = None, pad: str = PAD, eos: str = EOS,
+                 bos: Optional[str] = BOS, chat_template: Optional[str] = None):
         self._tk = backend
         self.path = path
         self._vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
@@ -61,13 +72,15 @@ class Tokenizer:
             if added.special:
                 self.special_tokens[added.content] = backend.token_to_id(added.content)
         where = path or "tokenizer"
-        for required in (PAD, EOS):
+        for required in (pad, eos):
             if required not in self.special_tokens:
                 raise DataError(f"{where}: special token {required} missing "
                                 f"(has {sorted(self.special_tokens)})")
-        self.pad_id = self.special_tokens[PAD]
-        self.eos_id = self.special_tokens[EOS]
-        self.bos_id = self.special_tokens.get(BOS)
+        self.pad_token, self.eos_token, self.bos_token = pad, eos, bos
+        self.pad_id = self.special_tokens[pad]
+        self.eos_id = self.special_tokens[eos]
+        self.bos_id = self.special_tokens.get(bos) if bos else None
+        self.chat_template = chat_template
 
     # ---- ours ------------------------------------------------------------------------------------
 
@@ -83,6 +96,12 @@ class Tokenizer:
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         self._tk.encode_special_tokens = not allow_special
         return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str, allow_special: bool = True):
+        """(ids, character offsets ``(start, end)`` of each token) of ``text``."""
+        self._tk.encode_special_tokens = not allow_special
+        encoding = self._tk.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> List[List[int]]:
         self._tk.encode_special_tokens = not allow_special
@@ -135,7 +154,8 @@ class Tokenizer:
     @property
     def special_tokens_dict(self) -> Dict[str, int]:
         # Megatron's pad-collision check reads this (keys other than "pad_token" must differ from pad).
-        names = {PAD: "pad_token", EOS: "eos_token", BOS: "bos_token"}
+        names = {self.pad_token: "pad_token", self.eos_token: "eos_token",
+                 self.bos_token: "bos_token"}
         return {names.get(tok, tok): tid for tok, tid in self.special_tokens.items()}
 
     @property
@@ -162,21 +182,79 @@ class Tokenizer:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
 
 
+def _backend(path: str):
+    path = require_file(path, "tokenizer file")
+    tk = _tokenizers()
+    try:
+        return path, tk.Tokenizer.from_file(path)
+    except Exception as exc:  # tokenizers raises a bare Exception with a multi-line serde message
+        reason = " ".join(str(exc).split())[:200]
+        raise DataError(f"not a valid tokenizer.json: {path} ({reason})") from None
+
+
 def load_tokenizer(path: str) -> Tokenizer:
-    """Load a ``tokenizer.json`` (Hugging Face ``tokenizers`` format) from a local path.
+    """Load a ``tokenizer.json`` (Hugging Face ``tokenizers`` format) from a local path, or a
+    Hugging Face checkpoint directory (see :func:`load_hf_tokenizer`).
 
     A missing file raises :class:`~megatron_slmoe.data.errors.DataFileNotFoundError`; a file that is
     not a valid tokenizer, or lacks ``<|pad|>``/``<|eos|>``, raises :class:`DataError`; each message
     is one line naming the file.
     """
-    path = require_file(path, "tokenizer file")
-    tk = _tokenizers()
-    try:
-        backend = tk.Tokenizer.from_file(path)
-    except Exception as exc:  # tokenizers raises a bare Exception with a multi-line serde message
-        reason = " ".join(str(exc).split())[:200]
-        raise DataError(f"not a valid tokenizer.json: {path} ({reason})") from None
+    if os.path.isdir(path):
+        return load_hf_tokenizer(path)
+    path, backend = _backend(path)
     return Tokenizer(backend, path=path)
+
+
+def _token_text(value, where: str, name: str) -> Optional[str]:
+    """A special token of tokenizer_config.json: a string, or an AddedToken dict."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise DataError(f"{where}: {name} must be a string or {{'content': ...}}, got {value!r}")
+
+
+def load_hf_tokenizer(directory: str) -> Tokenizer:
+    """The tokenizer of a Hugging Face checkpoint directory: ``tokenizer.json``, with the
+    ``eos_token`` / ``pad_token`` / ``bos_token`` and ``chat_template`` of
+    ``tokenizer_config.json`` (a template in ``chat_template.jinja`` wins, as in transformers).
+    Without a pad token, padding uses the eos token (padding is never a target)."""
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        raise DataFileNotFoundError(f"tokenizer directory has no tokenizer.json: {directory}")
+    path, backend = _backend(os.path.join(directory, "tokenizer.json"))
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    config = {}
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as err:
+            raise DataError(f"{config_path}: not readable JSON ({err})") from None
+        if not isinstance(config, dict):
+            raise DataError(f"{config_path}: not a JSON object")
+    where = config_path
+    eos = _token_text(config.get("eos_token"), where, "eos_token")
+    if eos is None:
+        raise DataError(f"{where}: no eos_token (the end of a turn and of generation)")
+    pad = _token_text(config.get("pad_token"), where, "pad_token") or eos
+    bos = _token_text(config.get("bos_token"), where, "bos_token")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    jinja_path = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            template = f.read()
+    if template is not None and not isinstance(template, str):
+        raise DataError(f"{where}: chat_template must be a string, got {type(template).__name__}")
+    # Tokens the config names are special whatever tokenizer.json says (as transformers treats them).
+    backend.add_special_tokens([t for t in (eos, pad, bos) if t and backend.token_to_id(t) is not None])
+    for role, token in (("eos_token", eos), ("pad_token", pad), ("bos_token", bos)):
+        if token is not None and backend.token_to_id(token) is None:
+            raise DataError(f"{where}: {role} {token!r} is not in {path}")
+    return Tokenizer(backend, path=path, pad=pad, eos=eos, bos=bos, chat_template=template)
 
 
 def iter_training_texts(path: str) -> Iterator[str]:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -24,7 +26,12 @@ from megatron_slmoe.lora.base import (
     new_param,
 )
 from megatron_slmoe.moe.experts import LatentSwiGLUExperts
-from megatron_slmoe.ops.lora_expert import lora_grouped_linear
+from megatron_slmoe.ops.lora_expert import (
+    LoRAGroupedWeights,
+    expert_activation,
+    lora_expert_mlp,
+    lora_grouped_linear,
+)
 
 # --- routed experts ------------------------------------------------------------------------------
 
@@ -35,10 +42,10 @@ _EXPERT_LORA = ("fc1_lora_A", "fc1_lora_B", "fc2_lora_A", "fc2_lora_B")
 class LoRALatentSwiGLUExperts(LoRAModule, LatentSwiGLUExperts):
     """``LatentSwiGLUExperts`` with one LoRA per expert on fc1 and/or fc2.
 
-    Same interface ``forward(rows_RL, tokens_per_expert_E, probs_R)``; each adapted projection runs
-    through the fused grouped op ``lora_grouped_linear`` (frozen stacked W plus s * B_e A_e per
-    expert), and the router probability scales the activation before fc2 exactly as in the base
-    experts. A LoRA tensors are [E_local, r, in], B [E_local, out, r]; an unadapted projection has
+    Same interface ``forward(rows_RL, tokens_per_expert_E, probs_R)``; with both projections
+    adapted it is the expert MLP op ``lora_expert_mlp`` (one fused grouped op per projection:
+    frozen stacked W plus s * B_e A_e per expert), the router probability applied by the fc2 op to
+    its output rows (fc2 being linear, the same as scaling its input like the base experts). A LoRA tensors are [E_local, r, in], B [E_local, out, r]; an unadapted projection has
     none and runs the base math.
     """
 
@@ -82,26 +89,44 @@ class LoRALatentSwiGLUExperts(LoRAModule, LatentSwiGLUExperts):
     def lora_parameters(self):
         return [p for p in (getattr(self, n) for n in _EXPERT_LORA) if p is not None]
 
-    def _projection(self, proj: str, x_RI: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _projection(self, proj: str, x_RI: torch.Tensor, counts: torch.Tensor,
+                    probs_R: torch.Tensor | None = None) -> torch.Tensor:
+        """One projection of all local experts; ``probs_R`` scales its output rows."""
         weight = getattr(self, f"{proj}_weight")
         lora_a, lora_b = getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
         if lora_a is None or self.lora_scaling == 0.0:  # not adapted, or disabled: the base math
+            if probs_R is not None:
+                x_RI = x_RI * probs_R.unsqueeze(-1).to(x_RI.dtype)
             parts = [F.linear(x, weight[e]) for e, x in enumerate(x_RI.split(counts.tolist()))]
             return torch.cat(parts) if parts else x_RI.new_zeros(0, weight.shape[1])
-        p = self.lora_dropout if self.training else 0.0
-        if p > 0.0:
-            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                return lora_grouped_linear(x_RI, weight, lora_a, lora_b, counts,
-                                           self.lora_scaling, p)
-        return lora_grouped_linear(x_RI, weight, lora_a, lora_b, counts, self.lora_scaling, 0.0)
+        with self._dropout_rng():
+            return lora_grouped_linear(x_RI, weight, lora_a, lora_b, counts, self.lora_scaling,
+                                       self._dropout_p(), probs_R)
+
+    def _dropout_p(self) -> float:
+        return self.lora_dropout if self.training else 0.0
+
+    def _dropout_rng(self):
+        """LoRA dropout of expert rows draws from the expert-parallel RNG stream."""
+        if self._dropout_p() == 0.0:
+            return contextlib.nullcontext()
+        return get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
 
     def forward(self, rows_RL: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                 probs_R: torch.Tensor) -> torch.Tensor:
         counts = tokens_per_expert_E.to(device="cpu", dtype=torch.int64)
-        h_RF2 = self._projection("fc1", rows_RL, counts)
-        gate_RF, up_RF = h_RF2.chunk(2, dim=-1)
-        act_RF = F.silu(gate_RF) * up_RF * probs_R.unsqueeze(-1).to(up_RF.dtype)
-        return self._projection("fc2", act_RF, counts)
+        if self.fc1_lora_A is not None and self.fc2_lora_A is not None:
+            with self._dropout_rng():
+                return lora_expert_mlp(
+                    rows_RL, counts,
+                    LoRAGroupedWeights(self.fc1_weight, self.fc1_lora_A, self.fc1_lora_B),
+                    LoRAGroupedWeights(self.fc2_weight, self.fc2_lora_A, self.fc2_lora_B),
+                    self.lora_scaling, self._dropout_p(),
+                    activation_func=self.config.activation_func,
+                    gated=self.config.gated_linear_unit, probs_T=probs_R)
+        act_RF = expert_activation(self._projection("fc1", rows_RL, counts),
+                                   self.config.activation_func, self.config.gated_linear_unit)
+        return self._projection("fc2", act_RF, counts, probs_R)
 
     def lora_pieces(self):
         pieces = []

@@ -24,13 +24,14 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 import yaml
+from megatron.core.activations import squared_relu
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.config.types import coerce, describe, matches
@@ -66,6 +67,10 @@ _DEFAULTS: dict[str, Any] = {
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
+# ``activation_func`` by name in a model file. Non-gated squared-ReLU experts are chosen as in
+# Megatron-Core: ``gated_linear_unit: false`` with ``activation_func: squared_relu``.
+ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "squared_relu": squared_relu, "gelu": F.gelu}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -93,8 +98,15 @@ class ModelConfig:
             raise ConfigError(f"{flag(unknown[0])}: {unknown[0]!r} is not a TransformerConfig "
                               f"field")
         fields = {**_DEFAULTS, **copy.deepcopy(dict(self.transformer)), **overrides}
+        if isinstance(fields.get("activation_func"), str):
+            fields["activation_func"] = ACTIVATIONS[fields["activation_func"]]
         if fields.get("gated_linear_unit") and "activation_func" not in fields:
             fields["activation_func"] = F.silu
+        if fields.get("multi_latent_attention"):
+            # MLA applies its own rotary embedding, configured on the TransformerConfig.
+            fields.setdefault("rotary_base", self.rotary_base)
+            fields.setdefault("rotary_percent", self.rotary_percent)
+
         for name, dtype in _DTYPES.items():
             if fields.get(name) and "params_dtype" not in fields:
                 fields["params_dtype"] = dtype
@@ -107,7 +119,12 @@ class ModelConfig:
             expert_tensor_parallel=fields["expert_tensor_parallel_size"],
             pipeline_parallel=fields.get("pipeline_model_parallel_size", 1),
         )
-        return make_transformer_config(fields)
+        config = make_transformer_config(fields)
+        if self.vocab_size % config.tensor_model_parallel_size:
+            raise ConfigError(f"--tensor-model-parallel-size {config.tensor_model_parallel_size} "
+                              f"does not divide the model's vocab_size {self.vocab_size} "
+                              f"(Megatron shards the embedding by vocabulary rows)")
+        return config
 
     def gpt_kwargs(self) -> dict[str, Any]:
         """The GPTModel keyword arguments this file sets."""
@@ -176,7 +193,12 @@ def _parse_yaml(text: str, where: str) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _transformer_hints() -> dict[str, Any]:
-    return typing.get_type_hints(TransformerConfig)
+    # MLATransformerConfig: TransformerConfig's fields plus the multi-latent attention widths.
+    hints = typing.get_type_hints(MLATransformerConfig)
+    # Megatron types it int but reads None as "q is not compressed" (linear_q_proj), as
+    # DeepSeek-V2-Lite has it.
+    hints["q_lora_rank"] = Optional[int]
+    return hints
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,6 +225,11 @@ def _model_section(section: Any, where: str) -> tuple[dict[str, Any], dict[str, 
     for name, value in section.items():
         if name in GPT_FIELDS:
             gpt[name] = _check_value(name, value, GPT_FIELDS[name][0], where)
+        elif name == "activation_func":
+            if value not in ACTIVATIONS:
+                raise ConfigError(f"{where}: model.activation_func must be one of "
+                                  f"{', '.join(ACTIVATIONS)}, got {value!r}")
+            transformer[name] = value
         elif name in _run_settings():
             raise ConfigError(f"{where}: model.{name} is a run setting, not a model field: pass "
                               f"{flag(name)} at launch (ModelConfig.transformer_config override)")
@@ -264,3 +291,19 @@ def load_model_config(path_or_name: str | os.PathLike) -> ModelConfig:
         raise ConfigError(f"{where}: {err}") from None
     return ModelConfig(name=name, source=where, transformer=types.MappingProxyType(transformer),
                        slmoe=slmoe, **gpt)
+
+
+def dump_model_config(model_config: ModelConfig) -> str:
+    """The model file of ``model_config``: YAML that :func:`load_model_config` reads back into the
+    same configuration (how a converted checkpoint records the model it holds)."""
+    model = {**dict(model_config.transformer), **model_config.gpt_kwargs()}
+    for name, value in model.items():
+        if isinstance(value, tuple):
+            model[name] = list(value)
+        elif not isinstance(value, (bool, int, float, str, list, type(None))):
+            raise ConfigError(f"model.{name} = {value!r} has no YAML form")
+    slmoe = {f.name: getattr(model_config.slmoe, f.name)
+             for f in dataclasses.fields(SLMoEConfig)
+             if getattr(model_config.slmoe, f.name) != f.default}
+    data = {"model": model, **({"slmoe": slmoe} if slmoe else {})}
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)

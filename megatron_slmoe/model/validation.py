@@ -16,7 +16,7 @@ import functools
 import re
 from typing import Any, Mapping
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.config.types import is_int, is_number
@@ -281,12 +281,17 @@ def _flag_in(message: str) -> str | None:
 
 
 def make_transformer_config(fields: Mapping[str, Any]) -> TransformerConfig:
-    """``TransformerConfig(**fields)``, with Megatron's exceptions turned into ConfigError lines."""
-    unknown = sorted(set(fields) - set(_transformer_fields()))
+    """``TransformerConfig(**fields)`` (Megatron's ``MLATransformerConfig`` when
+    ``multi_latent_attention`` is set: it holds the MLA widths), with Megatron's exceptions turned
+    into ConfigError lines."""
+    config_class = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
+    known = {f.name for f in dataclasses.fields(config_class)}
+    unknown = sorted(set(fields) - known)
     if unknown:
-        raise ConfigError(f"{flag(unknown[0])}: {unknown[0]!r} is not a TransformerConfig field")
+        raise ConfigError(f"{flag(unknown[0])}: {unknown[0]!r} is not a {config_class.__name__} "
+                          f"field")
     try:
-        return TransformerConfig(**fields)
+        return config_class(**fields)
     except _EXCEPTIONS as err:
         message = " ".join(str(err).split()) or type(err).__name__
         named = _flag_in(message)

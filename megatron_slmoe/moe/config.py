@@ -24,8 +24,9 @@ class SLMoEConfig:
     node_size: Optional[int] = None
     """Ranks per node for the hierarchical all-to-all; default: the launcher's LOCAL_WORLD_SIZE."""
     overlap_chunks: int = 1
-    """With the flat all-to-all: split the tokens into this many chunks and overlap each chunk's
-    exchange with another chunk's expert computation (forward). 1 = no overlap."""
+    """With the all-to-all (flat or hierarchical): split the tokens into this many chunks and
+    overlap each chunk's exchanges with another chunk's expert computation, in the forward and the
+    backward. 1 = no overlap."""
     distributed_timeout_minutes: Optional[int] = None
     """Timeout of the process groups the dispatcher creates; default: torch's."""
 

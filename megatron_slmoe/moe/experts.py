@@ -1,9 +1,11 @@
-"""Routed experts in the latent width: SwiGLU MLPs whose weights are stacked per local expert.
+"""Routed experts in the latent width: MLPs whose weights are stacked per local expert.
 
 ``forward(rows_RL, tokens_per_expert_E, probs_R)`` takes rows grouped by local expert (see the
-dispatcher interface) and returns ``probs_R * fc2(silu(gate) * up)`` per row, with
-``gate | up = fc1(row)``. The router probability scales the activation before fc2, as in
-Megatron-Core's experts. The LoRA experts of the kernel issue implement the same interface.
+dispatcher interface) and returns ``fc2(probs_R * act(fc1(row)))`` per row. As in Megatron-Core,
+``gated_linear_unit`` chooses SwiGLU (fc1 rows ``[gate; up]``, ``act(gate) * up``) or a non-gated
+MLP (e.g. squared ReLU, ``activation_func=squared_relu``); see ``ops.expert_activation``. The
+router probability scales the activation before fc2, as in Megatron-Core's experts. The LoRA
+experts implement the same interface.
 
 Parameters are expert-parallel: each EP rank holds ``num_experts / ep`` experts, they are marked
 ``allreduce = False`` so Megatron's DDP reduces their gradients over the expert-data-parallel
@@ -24,6 +26,8 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_slmoe.ops.lora_expert import expert_activation
+
 
 class LatentSwiGLUExperts(MegatronModule):
     def __init__(self, config: TransformerConfig, num_local_experts: int,
@@ -34,9 +38,10 @@ class LatentSwiGLUExperts(MegatronModule):
         width = config.moe_latent_size or config.hidden_size
         ffn = config.moe_ffn_hidden_size
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        # fc1 holds gate and up stacked on the output dimension, as Megatron's linear_fc1 does.
+        # A gated fc1 holds gate and up stacked on the output dimension, as Megatron's linear_fc1.
+        fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
         self.fc1_weight = torch.nn.Parameter(
-            torch.empty(num_local_experts, 2 * ffn, width, dtype=config.params_dtype, device=device))
+            torch.empty(num_local_experts, fc1_rows, width, dtype=config.params_dtype, device=device))
         self.fc2_weight = torch.nn.Parameter(
             torch.empty(num_local_experts, width, ffn, dtype=config.params_dtype, device=device))
         if config.perform_initialization:
@@ -52,9 +57,10 @@ class LatentSwiGLUExperts(MegatronModule):
         sizes = tokens_per_expert_E.tolist()
         outputs = []
         for e, (x_rL, p_r) in enumerate(zip(rows_RL.split(sizes), probs_R.split(sizes))):
-            gate_rF, up_rF = F.linear(x_rL, self.fc1_weight[e]).chunk(2, dim=-1)
-            act_rF = F.silu(gate_rF) * up_rF * p_r.unsqueeze(-1).to(up_rF.dtype)
-            outputs.append(F.linear(act_rF, self.fc2_weight[e]))
+            act_rF = expert_activation(F.linear(x_rL, self.fc1_weight[e]),
+                                       self.config.activation_func, self.config.gated_linear_unit)
+            outputs.append(F.linear(act_rF * p_r.unsqueeze(-1).to(act_rF.dtype),
+                                    self.fc2_weight[e]))
         if not outputs:
             return rows_RL.new_zeros(0, self.fc2_weight.shape[1])
         return torch.cat(outputs, dim=0)

@@ -32,6 +32,7 @@ from megatron_slmoe.moe.dispatch import DISPATCHERS
 from megatron_slmoe.moe.experts import LatentSwiGLUExperts
 from megatron_slmoe.moe.latent import build_latent_projections
 from megatron_slmoe.moe.router import SLMoERouter
+from megatron_slmoe.moe.stages import LATENT, ROUTER, SHARED, stage
 
 
 @dataclass
@@ -88,13 +89,20 @@ class StableLatentMoELayer(MoELayer):
         return output, None
 
     def _forward(self, hidden_SBD: torch.Tensor, padding_mask: Optional[torch.Tensor]):
-        probs_TE, routing_map_TE = self.router(hidden_SBD, padding_mask)
-        x_SBL = self.latent_down(hidden_SBD) if self.latent_down is not None else hidden_SBD
+        with stage(ROUTER):
+            probs_TE, routing_map_TE = self.router(hidden_SBD, padding_mask)
+        x_SBL = hidden_SBD
+        if self.latent_down is not None:
+            with stage(LATENT):
+                x_SBL = self.latent_down(hidden_SBD)
         x_TL = x_SBL.reshape(-1, x_SBL.shape[-1])
         y_TL = self.dispatcher.dispatch_compute_combine(
             x_TL, probs_TE, routing_map_TE, self.experts, self.overlap_chunks)
-        y_SBL = y_TL.view(*hidden_SBD.shape[:-1], y_TL.shape[-1])
-        output = self.latent_up(y_SBL) if self.latent_up is not None else y_SBL
+        output = y_TL.view(*hidden_SBD.shape[:-1], y_TL.shape[-1])
+        if self.latent_up is not None:
+            with stage(LATENT):
+                output = self.latent_up(output)
         if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_SBD)
+            with stage(SHARED):
+                output = output + self.shared_experts(hidden_SBD)
         return output

@@ -10,6 +10,7 @@ import copy
 import logging
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -31,6 +32,22 @@ class _KnownMoELayerFilter(logging.Filter):
 logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_KnownMoELayerFilter())
 
 
+class LatentDotProductAttention(DotProductAttention):
+    """Megatron's local (non-TE) core attention for multi-latent attention.
+
+    Megatron's MLA passes the query/key and value head widths (``k_channels``, ``v_channels``),
+    which its local DotProductAttention does not accept in megatron-core 0.16; it sizes its output
+    by ``kv_channels``. The math is width-agnostic, so only the output width changes: heads times
+    the value head width.
+    """
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+
 def slmoe_mlp_spec(megatron_moe_spec: ModuleSpec, slmoe: SLMoEConfig) -> ModuleSpec:
     """Our MoE layer spec, keeping the shared-expert spec Megatron chose for this backend."""
     return ModuleSpec(
@@ -49,6 +66,10 @@ def get_slmoe_decoder_block_spec(config: TransformerConfig, slmoe: SLMoEConfig |
                                        normalization=config.normalization, vp_stage=vp_stage)
     block = copy.deepcopy(block)
     for layer_spec in block.layer_specs:
+        attention = layer_spec.submodules.self_attention
+        if (config.multi_latent_attention and isinstance(attention, ModuleSpec)
+                and attention.submodules.core_attention is DotProductAttention):
+            attention.submodules.core_attention = LatentDotProductAttention
         mlp = layer_spec.submodules.mlp
         if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
             layer_spec.submodules.mlp = slmoe_mlp_spec(mlp, slmoe)

@@ -8,6 +8,7 @@ from megatron_slmoe.ops._native import KERNELS_ENV, choose_backend, native_exten
 from megatron_slmoe.ops.lora_expert import (
     LoRAGroupedLinear,
     LoRAGroupedWeights,
+    expert_activation,
     lora_expert_mlp,
     lora_grouped_linear,
     lora_grouped_linear_reference,
@@ -18,6 +19,7 @@ __all__ = [
     "LoRAGroupedLinear",
     "LoRAGroupedWeights",
     "choose_backend",
+    "expert_activation",
     "lora_expert_mlp",
     "lora_grouped_linear",
     "lora_grouped_linear_reference",

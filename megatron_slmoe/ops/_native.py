@@ -41,12 +41,13 @@ _load()  # at import, so torch.ops.slmoe is populated for every caller
 
 def native_op(name: str):
     """``torch.ops.slmoe.<name>``, or a RuntimeError saying why the extension is not there."""
-    why = _load()
+    why = native_extension_error()
     if why is not None:
         raise RuntimeError(f"megatron_slmoe._C is not loaded, so slmoe::{name} is unavailable: {why}")
     return getattr(torch.ops.slmoe, name)
 
 
+@torch.compiler.assume_constant_result  # torch.compile: known at trace time, not traced
 def native_extension_error() -> str | None:
     """Why ``megatron_slmoe._C`` could not be loaded, or None when it is loaded."""
     return _load()
@@ -77,6 +78,7 @@ KERNELS_ENV = "SLMOE_KERNELS"
 _KERNEL_CHOICES = ("auto", "native", "reference")
 
 
+@torch.compiler.assume_constant_result  # torch.compile: decided once at trace time, not traced
 def choose_backend(op: str, device: torch.device | str) -> str:
     """``"native"`` or ``"reference"`` for running ``op`` on ``device``.
 

@@ -6,7 +6,10 @@ For expert e with rows x_e::
     y_e = x_e W_e^T + s * (x_e A_e^T) B_e^T        s = alpha / r
 
 W [E, d_out, d_in] is frozen; the LoRA factors A [E, r, d_in] and B [E, d_out, r] are trained.
-LoRA dropout, when on, multiplies only the LoRA input (the x of the shrink ``x A^T``).
+LoRA dropout, when on, multiplies only the LoRA input (the x of the shrink ``x A^T``). Optional
+``probs_T`` scale each output row (the router probability of an expert row): ``y_t = p_t (...)``,
+applied inside the kernel, with its gradient ``rowsum(x * g)`` from the unscaled input gradient g
+the kernel returns.
 
 :func:`lora_grouped_linear` runs the native kernel (``torch.ops.slmoe``) where the extension has one
 for the tensors' device, else :func:`lora_grouped_linear_reference`; see ``_native.choose_backend``.
@@ -20,12 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from megatron_slmoe.ops._native import choose_backend, native_op
+from megatron_slmoe.ops._native import choose_backend, native_extension_error, native_op
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def check_grouped_inputs(x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E) -> None:
+def check_grouped_inputs(x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E,
+                         probs_T=None) -> None:
     """The checks the native op makes (csrc/lora_expert_checks.h), with the same messages."""
     name = "lora_grouped_linear"
     if x_TD.dim() != 2:
@@ -57,6 +61,13 @@ def check_grouped_inputs(x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_ex
         raise TypeError(f"{name}: tokens_per_expert must be int64, got {tokens_per_expert_E.dtype}")
     if tuple(tokens_per_expert_E.shape) != (E,):
         raise ValueError(f"{name}: tokens_per_expert must have shape [E] = [{E}], got {tuple(tokens_per_expert_E.shape)}")
+    if probs_T is not None:
+        if probs_T.dtype != x_TD.dtype:
+            raise TypeError(f"{name}: probs has dtype {probs_T.dtype} but x has {x_TD.dtype}")
+        if probs_T.device != x_TD.device:
+            raise ValueError(f"{name}: probs is on {probs_T.device} but x is on {x_TD.device}")
+        if tuple(probs_T.shape) != (T,):
+            raise ValueError(f"{name}: probs must have shape [T] = [{T}], got {tuple(probs_T.shape)}")
     counts = tokens_per_expert_E.tolist()
     if any(c < 0 for c in counts):
         raise ValueError(f"{name}: tokens_per_expert has a negative count: {counts}")
@@ -72,12 +83,14 @@ def lora_grouped_linear_reference(
     tokens_per_expert_E: torch.Tensor,
     scaling: float,
     lora_mask_TD: torch.Tensor | None = None,
+    probs_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch grouped LoRA linear: one loop step per expert, differentiable by autograd.
 
-    ``lora_mask_TD`` (already scaled by 1/(1-p)) multiplies the LoRA input, as LoRA dropout does.
+    ``lora_mask_TD`` (already scaled by 1/(1-p)) multiplies the LoRA input, as LoRA dropout does;
+    ``probs_T`` scales the output rows.
     """
-    check_grouped_inputs(x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E)
+    check_grouped_inputs(x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E, probs_T)
     if lora_mask_TD is not None and lora_mask_TD.shape != x_TD.shape:
         raise ValueError(f"lora_grouped_linear: lora_mask must be shaped like x {tuple(x_TD.shape)}, "
                          f"got {tuple(lora_mask_TD.shape)}")
@@ -90,7 +103,28 @@ def lora_grouped_linear_reference(
         y_parts.append(base_nO + scaling * lora_nO)
     if not y_parts:  # no experts at all (then there are no rows either)
         return x_TD.new_empty((0, weight_EOD.shape[1]))
-    return torch.cat(y_parts)
+    y_TO = torch.cat(y_parts)
+    return y_TO if probs_T is None else y_TO * probs_T.unsqueeze(1)
+
+
+def _register_fake_kernels() -> None:
+    """Shapes of the native ops' outputs from their inputs' (``torch.library.register_fake``), so
+    torch.compile and meta tensors trace through the op without running it."""
+
+    @torch.library.register_fake("slmoe::lora_grouped_linear_fwd")
+    def _fwd(x, weight, lora_a, lora_b, tokens_per_expert, scaling, lora_x=None, probs=None):
+        return x.new_empty(x.shape[0], weight.shape[1]), x.new_empty(x.shape[0], lora_a.shape[1])
+
+    @torch.library.register_fake("slmoe::lora_grouped_linear_bwd")
+    def _bwd(grad_y, lora_x, weight, lora_a, lora_b, h, tokens_per_expert, scaling,
+             lora_mask=None, output_mask=(True, True, True), probs=None):
+        return (lora_x.new_empty(lora_x.shape) if output_mask[0] else None,
+                lora_a.new_empty(lora_a.shape) if output_mask[1] else None,
+                lora_b.new_empty(lora_b.shape) if output_mask[2] else None)
+
+
+if native_extension_error() is None:
+    _register_fake_kernels()
 
 
 class LoRAGroupedLinear(torch.autograd.Function):
@@ -101,30 +135,39 @@ class LoRAGroupedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E, scaling, lora_mask_TD=None):
+    def forward(ctx, x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E, scaling,
+                lora_mask_TD=None, probs_T=None):
         lora_x_TD = None if lora_mask_TD is None else x_TD * lora_mask_TD
         y_TO, h_TR = native_op("lora_grouped_linear_fwd")(
-            x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E, float(scaling), lora_x_TD
-        )
+            x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E, float(scaling), lora_x_TD,
+            probs_T)
         # Keep x (alive upstream anyway) and the mask rather than x * mask; backward recomputes it.
-        ctx.save_for_backward(x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, h_TR, tokens_per_expert_E, lora_mask_TD)
+        ctx.save_for_backward(x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, h_TR, tokens_per_expert_E,
+                              lora_mask_TD, probs_T)
         ctx.scaling = float(scaling)
         return y_TO
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y_TO):
-        x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, h_TR, tokens_per_expert_E, lora_mask_TD = ctx.saved_tensors
+        (x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, h_TR, tokens_per_expert_E, lora_mask_TD,
+         probs_T) = ctx.saved_tensors
         lora_x_TD = x_TD if lora_mask_TD is None else x_TD * lora_mask_TD
         need = ctx.needs_input_grad
         if need[1]:  # raised here, not in forward: under no_grad a trainable W is harmless
             raise ValueError("lora_grouped_linear: weight must be frozen (requires_grad=False); "
                              "only lora_a and lora_b are trained")
-        dx_TD, da_ERD, db_EOR = native_op("lora_grouped_linear_bwd")(
+        need_probs = probs_T is not None and need[7]
+        g_TD, da_ERD, db_EOR = native_op("lora_grouped_linear_bwd")(
             grad_y_TO, lora_x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, h_TR, tokens_per_expert_E,
-            ctx.scaling, lora_mask_TD, [need[0], need[2], need[3]],
+            ctx.scaling, lora_mask_TD, [need[0] or need_probs, need[2], need[3]], probs_T,
         )
-        return dx_TD, None, da_ERD, db_EOR, None, None, None
+        if probs_T is None:
+            return g_TD, None, da_ERD, db_EOR, None, None, None, None
+        # The op returns the input gradient before the row scale (see csrc/bindings.cpp).
+        dx_TD = g_TD * probs_T.unsqueeze(1) if need[0] else None
+        dprobs_T = (x_TD * g_TD).sum(dim=1) if need_probs else None
+        return dx_TD, None, da_ERD, db_EOR, None, None, None, dprobs_T
 
 
 def lora_dropout_mask(x_TD: torch.Tensor, p: float) -> torch.Tensor:
@@ -140,10 +183,12 @@ def lora_grouped_linear(
     tokens_per_expert_E: torch.Tensor,
     scaling: float,
     dropout: float = 0.0,
+    probs_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [T, d_out] of the grouped LoRA linear, on the native kernel where the device has one.
 
     ``dropout`` is the LoRA dropout probability; the caller passes 0 outside training.
+    ``probs_T``, when given, scales each output row (cast to x's dtype).
     """
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"lora_grouped_linear: dropout must be in [0, 1), got {dropout}")
@@ -151,12 +196,16 @@ def lora_grouped_linear(
         raise ValueError("lora_grouped_linear: weight must be frozen (requires_grad=False); "
                          "only lora_a and lora_b are trained")
     lora_mask_TD = lora_dropout_mask(x_TD, dropout) if dropout > 0 else None
+    if probs_T is not None:
+        probs_T = probs_T.to(x_TD.dtype)
     if choose_backend("lora_grouped_linear", x_TD.device) == "native":
         return LoRAGroupedLinear.apply(
-            x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E, scaling, lora_mask_TD
+            x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E, scaling, lora_mask_TD,
+            probs_T
         )
     return lora_grouped_linear_reference(
-        x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E, scaling, lora_mask_TD
+        x_TD, weight_EOD, lora_a_ERD, lora_b_EOR, tokens_per_expert_E, scaling, lora_mask_TD,
+        probs_T
     )
 
 
@@ -168,6 +217,19 @@ class LoRAGroupedWeights(NamedTuple):
     lora_b: torch.Tensor  # [E, d_out, r]
 
 
+def expert_activation(h_TH: torch.Tensor, activation_func=F.silu, gated: bool = True) -> torch.Tensor:
+    """fc1's output -> fc2's input of an expert MLP: ``act(gate) * up`` for a gated linear unit
+    (fc1 rows ``[gate; up]``, gate first as in Megatron's linear_fc1), ``act(h)`` for a non-gated
+    one (e.g. squared ReLU: Megatron's ``gated_linear_unit=False`` with ``squared_relu``)."""
+    if not gated:
+        return activation_func(h_TH)
+    if h_TH.shape[-1] % 2:
+        raise ValueError(f"a gated expert's fc1 must output gate|up (an even size), got "
+                         f"{h_TH.shape[-1]}")
+    gate_TF, up_TF = h_TH.chunk(2, dim=-1)
+    return activation_func(gate_TF) * up_TF
+
+
 def lora_expert_mlp(
     x_TD: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
@@ -175,16 +237,15 @@ def lora_expert_mlp(
     fc2: LoRAGroupedWeights,
     scaling: float,
     dropout: float = 0.0,
+    activation_func=F.silu,
+    gated: bool = True,
+    probs_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SwiGLU expert MLP on expert-grouped rows, each projection with its own LoRA.
-
-    fc1 maps d -> 2F with gate and up concatenated on the output dim (gate first, as Megatron's
-    gated linear unit); fc2 maps F -> d.
-    """
-    d_ff2 = fc1.weight.shape[1]
-    if d_ff2 % 2:
-        raise ValueError(f"lora_expert_mlp: fc1 must output gate|up (an even size), got {d_ff2}")
-    h_TF2 = lora_grouped_linear(x_TD, *fc1, tokens_per_expert_E, scaling, dropout)
-    gate_TF, up_TF = h_TF2.chunk(2, dim=-1)
-    act_TF = F.silu(gate_TF) * up_TF
-    return lora_grouped_linear(act_TF, *fc2, tokens_per_expert_E, scaling, dropout)
+    """Expert MLP on expert-grouped rows, each projection with its own LoRA: SwiGLU by default
+    (fc1 maps d -> 2F, gate|up), or non-gated (fc1 maps d -> F) with ``gated=False``; fc2 maps
+    F -> d. The activation is :func:`expert_activation`. One grouped op per projection; the
+    router probabilities ``probs_T`` are applied by the fc2 op to its output rows (the same as
+    scaling the activation, fc2 being linear)."""
+    h_TH = lora_grouped_linear(x_TD, *fc1, tokens_per_expert_E, scaling, dropout)
+    act_TF = expert_activation(h_TH, activation_func, gated)
+    return lora_grouped_linear(act_TF, *fc2, tokens_per_expert_E, scaling, dropout, probs_T)

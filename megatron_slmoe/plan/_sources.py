@@ -1,15 +1,26 @@
-"""The one place where the planner names modules outside ``megatron_slmoe.plan``: the model configs,
-the dispatcher's byte accounting and the LoRA target registry (all read, no model is built)."""
+"""The one place where the planner names modules outside ``megatron_slmoe.plan``: the model configs
+(and Megatron's defaults of the multi-latent attention widths they may leave out), the dispatcher's
+byte accounting and the LoRA target registry (all read, no model is built)."""
 
 from __future__ import annotations
+
+import dataclasses
+
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.lora.targets import TARGETS as LORA_TARGETS
 from megatron_slmoe.model.config import ModelConfig, load_model_config
 from megatron_slmoe.moe.dispatch.alltoall import (
+           expected_rows_per_destination,
            flat_traffic_rows,
            hierarchical_traffic_rows,
 )
 
-__all__ = ["ConfigError", "LORA_TARGETS", "ModelConfig", "flat_traffic_rows",
+MLA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)
+                if f.name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                              "v_head_dim")}
+
+__all__ = ["ConfigError", "LORA_TARGETS", "MLA_DEFAULTS", "ModelConfig",
+           "expected_rows_per_destination", "flat_traffic_rows",
            "hierarchical_traffic_rows", "load_model_config"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, field
 
+from megatron_slmoe.plan._sources import expected_rows_per_destination
 from megatron_slmoe.plan.devices import DeviceSpec
 from megatron_slmoe.plan.model_shape import (
     ModelShape,
@@ -136,7 +137,7 @@ def _lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> t
     r, tp, d = settings.lora_rank, settings.tp, shape.hidden
     targets = set(settings.lora_targets)
     dense = 0
-    if "linear_qkv" in targets:  # A [r, d] replicated, B [qkv/tp, r]
+    if "linear_qkv" in targets and shape.mla is None:  # A [r, d] replicated, B [qkv/tp, r]
         dense += r * d + (shape.heads + 2 * shape.query_groups) * shape.kv_channels // tp * r
     if "linear_proj" in targets:  # A [r, hc/tp], B [d, r]
         dense += r * shape.attention_width // tp + d * r
@@ -155,8 +156,8 @@ def _lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> t
         dense += r * d + fc1_out * shape.shared_ffn // tp * r + r * shape.shared_ffn // tp + d * r
     width, f = shape.expert_width, shape.expert_ffn
     per_expert = 0
-    if "linear_fc1" in targets:  # A [r, l], B [2f, r]
-        per_expert += r * width + 2 * f * r
+    if "linear_fc1" in targets:  # A [r, l], B [2f (gated) or f, r]
+        per_expert += r * width + fc1_out * f * r
     if "linear_fc2" in targets:  # A [r, f], B [l, r]
         per_expert += r * f + width * r
     return dense, per_expert * (shape.experts // settings.ep)
@@ -220,9 +221,11 @@ class _Tokens:
     sharded: int
     """T / tp: the sequence-parallel shard (norms, router, residual stream)."""
     rows_sent: float
-    """(token, expert) rows this rank dispatches."""
+    """(token, expert) pairs this rank dispatches."""
     rows_received: float
-    """Rows the busiest expert-parallel rank receives (imbalance and capacity)."""
+    """Expert rows the busiest expert-parallel rank receives (imbalance and capacity)."""
+    pairs_sent: float
+    """Token rows this rank sends: one per (token, rank holding one of its experts)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -239,7 +242,12 @@ def _tokens(shape: ModelShape, settings: RunSettings) -> _Tokens:
     imbalance = settings.moe_imbalance if settings.ep > 1 else 1.0
     if factor is not None:
         imbalance = factor if shape.pad_to_capacity else min(imbalance, factor)
-    return _Tokens(settings.seq_length, full, sharded, float(sent), routed * imbalance)
+    pairs = 0.0
+    if shape.experts:
+        pairs = sharded * settings.ep * expected_rows_per_destination(
+            shape.experts, shape.topk, settings.ep, shape.router_groups or 0,
+            shape.router_group_topk or 0)
+    return _Tokens(settings.seq_length, full, sharded, float(sent), routed * imbalance, pairs)
 
 
 def _norm(shape: ModelShape, tokens: int) -> int:
@@ -304,8 +312,9 @@ def _moe_dense_side(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
         total += r * _FP32 * t.sharded
     if "latent" in s.lora_targets and shape.latent:
         total += (r + shape.latent + r) * b * t.sharded  # down: r (input is the router's); up
-    total += 2 * _INT64 * t.rows_sent + _INT64 * t.rows_received  # permutation indices
-    total += shape.expert_width * b * t.rows_sent  # combine's index_add keeps its source rows
+    # The all-to-all's indices: (token, expert) of every pair sent and their send order, the
+    # token of every row sent, and where each received expert row and probability come from.
+    total += 3 * _INT64 * t.rows_sent + _INT64 * t.pairs_sent + 2 * _INT64 * t.rows_received
     if shape.shared_ffn:
         total += _mlp_saved(shape.shared_ffn // s.tp, "shared_experts" in s.lora_targets,
                             "shared_experts" in s.lora_targets, shape, s, t)
@@ -313,16 +322,16 @@ def _moe_dense_side(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
 
 
 def _moe_rows(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
-    """Expert side per received row: LoRA fc1 input and r, SwiGLU (2f + f + f), the router
-    probability, LoRA fc2 input and r, and the output rows combine regroups."""
+    """Expert side per received row: fc1's input (and r with LoRA), fc1's output, SwiGLU's SiLU
+    and product (2f + f + f; the product is fc2's input), the router probability, and r for fc2's
+    LoRA (whose op scales its output by the probability) or, without it, the probability-scaled
+    activation the plain fc2 keeps."""
     if s.recomputes("moe"):
         return 0
     b, r, f, width = s.element_size, s.lora_rank, shape.expert_ffn, shape.expert_width
-    per_row = 4 * f + 1 + width
-    if "linear_fc1" in s.lora_targets:
-        per_row += width + r
-    if "linear_fc2" in s.lora_targets:
-        per_row += f + r
+    per_row = width + 4 * f + 1
+    per_row += r if "linear_fc1" in s.lora_targets else 0
+    per_row += r if "linear_fc2" in s.lora_targets else f
     return int(per_row * b * t.rows_received)
 
 
@@ -368,7 +377,7 @@ def _layer(shape: ModelShape, s: RunSettings, t: _Tokens, moe: bool,
     mlp_work = 0
     if moe:
         f, width = shape.expert_ffn, shape.expert_width
-        mlp_work = int((3 * f + width) * b * t.rows_received + width * b * t.rows_sent)
+        mlp_work = int((3 * f + width) * b * t.rows_received + width * b * t.pairs_sent)
     # Then attention: fp32 gradients of the softmax probabilities and scores; by then the MLP
     # half's own activations are freed.
     heads = shape.heads // s.tp

@@ -4,7 +4,9 @@ A patch replaces one attribute named by its dotted path (``pkg.module.Class.attr
 also rebinds every already-imported module that holds the original object under a global name
 (``from torch.cuda import device`` style imports), so no stale reference keeps the old behaviour.
 Applying is idempotent, and every target must exist: a renamed target in a new megatron-core
-release fails loudly instead of silently not patching.
+release fails loudly instead of silently not patching. A class may only be replaced by a subclass
+of itself: other libraries in the same process use public classes in annotations
+(``torch.cuda.Stream | None``) and isinstance checks.
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ def _wrap_keeping_descriptor(owner: Any, attr: str, wrapper: Callable[[Any], Any
     return wrapper(getattr(owner, attr))
 
 
+def _check_class_stays_class(patch: Patch) -> None:
+    original, replacement = patch.original, patch.replacement
+    if isinstance(original, type) and not (
+        isinstance(replacement, type) and issubclass(replacement, original)
+    ):
+        raise PatchTargetError(
+            f"patch {patch.target!r}: a class may only be replaced by a subclass of itself, "
+            f"got {replacement!r}"
+        )
+
+
 class PatchRegistry:
     def __init__(self) -> None:
         self._patches: dict[str, Patch] = {}
@@ -113,15 +126,20 @@ class PatchRegistry:
             (patch, *resolve(patch.target, must_exist=not patch.define_missing))
             for patch in self._patches.values()
         ]
+        # Resolve and check every replacement before changing anything: all or nothing.
+        for patch, owner, attr in resolved:
+            if patch.define_missing:
+                continue
+            patch.original = getattr(owner, attr)
+            if isinstance(patch.replacement, _Wrapped):
+                patch.replacement = _wrap_keeping_descriptor(owner, attr, patch.replacement.wrapper)
+            _check_class_stays_class(patch)
         rebind: dict[int, Any] = {}
         for patch, owner, attr in resolved:
             if patch.define_missing:
                 if not hasattr(owner, attr):
                     setattr(owner, attr, patch.replacement)
                 continue
-            patch.original = getattr(owner, attr)
-            if isinstance(patch.replacement, _Wrapped):
-                patch.replacement = _wrap_keeping_descriptor(owner, attr, patch.replacement.wrapper)
             setattr(owner, attr, patch.replacement)
             # Plain functions and classes can be imported by name elsewhere; rebind those copies.
             if callable(patch.original) and not isinstance(owner, type):

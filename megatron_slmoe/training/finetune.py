@@ -77,7 +77,6 @@ class Trainer:
     def setup(self) -> None:
         from megatron.core import parallel_state
 
-        from megatron_slmoe.model.config import load_model_config
         from megatron_slmoe.moe.monitor import RoutingMonitor
         from megatron_slmoe.training import model_setup
         from megatron_slmoe.training.data_sources import build_sources
@@ -87,14 +86,15 @@ class Trainer:
         self.rank = torch.distributed.get_rank()
         run = self.run_config = self._resolve(run)
         self.output_dir = run.output.output_dir
+        model_config, hf = model_setup.open_model(run.model)  # checked before start-up
         self.model_config = model_setup.model_config_for_run(
-            load_model_config(run.model.config), run.moe, run.model.finetune_mode,
+            model_config, run.moe, run.model.finetune_mode,
             run.parallel.distributed_timeout_minutes)
         self.bf16 = run.model.precision == "bf16"
+        loads_weights = bool(run.model.base_checkpoint or run.model.hf_checkpoint)
         model, self.config = model_setup.build_model(self.model_config, run.parallel, self.bf16,
-                                                     self.platform)
-        if run.model.base_checkpoint:
-            model_setup.load_base_weights(model, run.model.base_checkpoint)
+                                                     self.platform, initialize=not loads_weights)
+        model_setup.load_base_weights(model, run.model, hf)
         self.lora_config = None
         if run.model.finetune_mode == "lora":
             self._inject_lora(model)
@@ -133,13 +133,16 @@ class Trainer:
 
     def _resolve(self, run):
         """The run as it will execute: the output directory (rank 0's choice, so every rank writes
-        into the same one) and the precision of this platform. ``config.yaml`` records these, so
-        feeding it back repeats the run."""
+        into the same one), the precision of this platform and, with --hf-checkpoint, its
+        tokenizer unless --tokenizer names one. ``config.yaml`` records these, so feeding it back
+        repeats the run."""
         output_dir = [run.output.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
         torch.distributed.broadcast_object_list(output_dir, src=0)
         from megatron_slmoe.training.model_setup import resolve_precision
 
         run = run.replace("output", output_dir=output_dir[0])
+        if run.model.hf_checkpoint and not run.data.tokenizer:
+            run = run.replace("data", tokenizer=run.model.hf_checkpoint)
         return run.replace("model", precision=resolve_precision(run.model, self.platform))
 
     def _inject_lora(self, model) -> None:
@@ -311,7 +314,8 @@ class Trainer:
             adapter_dir = os.path.join(self.output_dir, "adapter")
             save_adapter([self.model], adapter_dir, self.lora_config,
                          {"model_config": self.model_config.name,
-                          "base_checkpoint": self.run_config.model.base_checkpoint})
+                          "base_checkpoint": self.run_config.model.base_checkpoint,
+                          "hf_checkpoint": self.run_config.model.hf_checkpoint})
         if self.run_config.output.save_base:
             from megatron_slmoe.training.checkpointing import save_base_checkpoint
 

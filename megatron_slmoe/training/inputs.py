@@ -14,13 +14,23 @@ log = logging.getLogger(__name__)
 
 
 def check_inputs(run: RunConfig, world_size: int, platform) -> None:
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.training.model_setup import open_model
 
     _check_paths(run)
     _check_base_model(run)
-    model_config = load_model_config(run.model.config)
+    # With --hf-checkpoint: config.json, the index and every shard's header, and (unless
+    # --no-hf-shape-check) every tensor's shape against config.json.
+    model_config, _ = open_model(run.model, check_shapes=run.model.hf_shape_check)
     _check_data(run, model_config)
     _check_memory(run, world_size, platform, model_config)
+
+
+def tokenizer_path(run: RunConfig) -> str:
+    """The run's tokenizer: --tokenizer, else the --hf-checkpoint directory's, else the shipped
+    one."""
+    from megatron_slmoe.data.assets import asset_path
+
+    return run.data.tokenizer or run.model.hf_checkpoint or asset_path("tokenizer.json")
 
 
 def _check_paths(run: RunConfig) -> None:
@@ -29,6 +39,8 @@ def _check_paths(run: RunConfig) -> None:
                        ("--adapter-init", model.adapter_init), ("--tokenizer", data.tokenizer)):
         if path and not os.path.exists(path):
             raise ConfigError(f"{flag} {path}: no such file or directory")
+    if model.hf_checkpoint and not os.path.isdir(model.hf_checkpoint):
+        raise ConfigError(f"--hf-checkpoint {model.hf_checkpoint}: no such directory")
     if data.format == "instruction":
         for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
             if path and not os.path.isfile(path):
@@ -37,17 +49,17 @@ def _check_paths(run: RunConfig) -> None:
 
 def _check_base_model(run: RunConfig) -> None:
     """LoRA adapts a trained model: on random weights it trains adapters for nothing."""
-    if run.model.finetune_mode == "lora" and not run.model.base_checkpoint:
+    model = run.model
+    if model.finetune_mode == "lora" and not (model.base_checkpoint or model.hf_checkpoint):
         raise ConfigError(
             "LoRA needs a trained base model: name one with --base-checkpoint DIR (a Megatron dist "
-            "checkpoint, e.g. from --finetune-mode full --save-base DIR), run "
+            "checkpoint, e.g. from --finetune-mode full --save-base DIR) or --hf-checkpoint DIR, run "
             "`bash scripts/pretrain_lora.sh` with no flags for the demo (it pretrains a tiny base "
             "first), or train every weight from scratch with --finetune-mode full")
 
 
 def _check_data(run: RunConfig, model_config) -> None:
     """The tokenizer and the sequence length against the model."""
-    from megatron_slmoe.data.assets import asset_path
     from megatron_slmoe.data.errors import DataError
     from megatron_slmoe.data.tokenizer import load_tokenizer
 
@@ -63,9 +75,11 @@ def _check_data(run: RunConfig, model_config) -> None:
                           f"max_sequence_length {model_config.max_sequence_length} "
                           f"({model_config.source})")
     try:
-        tokenizer = load_tokenizer(data.tokenizer or asset_path("tokenizer.json"))
+        tokenizer = load_tokenizer(tokenizer_path(run))
     except DataError as err:
-        raise ConfigError(f"--tokenizer: {err}") from None
+        flag = "--tokenizer" if data.tokenizer or not run.model.hf_checkpoint else \
+            "--hf-checkpoint (its tokenizer; or pass --tokenizer)"
+        raise ConfigError(f"{flag}: {err}") from None
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ConfigError(f"--tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more "
                           f"than the model's vocab_size {model_config.vocab_size}")

@@ -17,6 +17,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.config.run import (
     ModelSection,
     MoERunConfig,
@@ -25,7 +26,7 @@ from megatron_slmoe.config.run import (
     ScheduleConfig,
 )
 from megatron_slmoe.model.build import build_gpt_model, run_transformer_config
-from megatron_slmoe.model.config import ModelConfig
+from megatron_slmoe.model.config import ModelConfig, load_model_config
 from megatron_slmoe.model.validation import EXPERT_TENSOR_PARALLEL_SIZE
 
 
@@ -75,9 +76,28 @@ def model_config_for_run(model_config: ModelConfig, moe: MoERunConfig, finetune_
                                slmoe=dataclasses.replace(model_config.slmoe, **changes))
 
 
-def build_model(model_config: ModelConfig, parallel: ParallelConfig, bf16: bool, platform):
-    """This rank's pipeline stage of the model, on the platform's device."""
-    config = run_transformer_config(model_config, parallel, bf16)
+def open_model(model: ModelSection, check_shapes: bool = False):
+    """(ModelConfig, HFModel or None): the run's model. With ``--hf-checkpoint`` it is the one the
+    checkpoint's config.json describes, and the opened checkpoint comes with it (``check_shapes``:
+    every tensor against config.json, see ``hf.open_hf_checkpoint``); else the model file. Needs no
+    process group; a bad checkpoint is one ConfigError line naming the file and the tensor."""
+    if not model.hf_checkpoint:
+        return load_model_config(model.config), None
+    from megatron_slmoe.hf import HFCheckpointError, open_hf_checkpoint
+
+    try:
+        hf = open_hf_checkpoint(model.hf_checkpoint, check_shapes=check_shapes)
+    except HFCheckpointError as err:
+        raise ConfigError(f"--hf-checkpoint: {err}") from None
+    return hf.model_config, hf
+
+
+def build_model(model_config: ModelConfig, parallel: ParallelConfig, bf16: bool, platform,
+                initialize: bool = True):
+    """This rank's pipeline stage of the model, on the platform's device (``initialize=False``:
+    no random weights, for a model whose every weight is about to be loaded)."""
+    config = run_transformer_config(model_config, parallel, bf16,
+                                    perform_initialization=initialize)
     model = build_gpt_model(model_config, config,
                             pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage())
@@ -85,10 +105,18 @@ def build_model(model_config: ModelConfig, parallel: ParallelConfig, bf16: bool,
     return model, config
 
 
-def load_base_weights(model, directory: str) -> None:
-    """Base weights from a Megatron dist checkpoint, in whatever layout it was saved."""
-    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
-    model.load_state_dict(state, strict=True)
+def load_base_weights(model, model_section: ModelSection, hf=None) -> None:
+    """The base weights the run names: a Megatron dist checkpoint (``--base-checkpoint``, in
+    whatever layout it was saved), or a Hugging Face checkpoint (``--hf-checkpoint``; ``hf`` is
+    its ``open_model``), each rank reading only its own slices. Nothing to do without either."""
+    if model_section.hf_checkpoint:
+        from megatron_slmoe.hf import load_hf_weights
+
+        load_hf_weights([model], model_section.hf_checkpoint, hf,
+                        unmap_after_bytes=model_section.hf_unmap_mib * 2**20)
+    elif model_section.base_checkpoint:
+        state = dist_checkpointing.load(model.sharded_state_dict(), model_section.base_checkpoint)
+        model.load_state_dict(state, strict=True)
 
 
 def wrap_and_optimize(model, config, optimizer: OptimizerConfig, schedule: ScheduleConfig,

@@ -7,20 +7,18 @@
 - base weights stay bitwise unchanged and only LoRA parameters get gradients and optimizer state.
 """
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.entry_point import losses as _losses
+from tests.helpers.entry_point import torchrun as _torchrun
 from tests.helpers.ranks import run_ranks
 
-REPO = Path(__file__).resolve().parents[2]
 COMMON = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size", "8",
           "--micro-batch-size", "2", "--lr", "1e-3", "--lr-warmup-iters", "2", "--eval-iters", "1",
           "--eval-interval", "1000", "--log-interval", "5", "--lora-rank", "4", "--fp32",
@@ -28,27 +26,6 @@ COMMON = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size",
 # The routing-stability terms of LoRA runs (a reference pass per step, two attached losses) must
 # give the same curves in every layout too.
 STABILITY = ["--moe-routing-kl-coeff", "0.5", "--moe-routed-balance-coeff", "0.1"]
-
-
-def _torchrun(nproc: int, args: list[str], wait: bool = True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "-m", "megatron_slmoe.training.finetune", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    if not wait:
-        return proc
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    """Iteration -> loss; a resumed run rewrites iterations after its checkpoint: last one wins."""
-    losses = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        losses[record["iteration"]] = record["loss"]
-    return losses
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ def test_dispatch_benchmark_writes_rows(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
          "tools/bench/dispatch.py", "--node-size", "2", "--tokens", "32", "--hidden", "64",
-         "--latent", "16", "--reps", "1", "--warmup", "0", "--json", str(out)],
+         "--latent", "16", "--experts", "16", "--topk", "4", "--routing", "uniform",
+         "--reps", "1", "--warmup", "0", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())

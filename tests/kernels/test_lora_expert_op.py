@@ -127,6 +127,38 @@ def test_gradcheck_fp64(device):
     assert torch.autograd.gradcheck(lambda x, a, b: LoRAGroupedLinear.apply(x, w, a, b, tpe, 0.5), inputs)
     mask = lora_dropout_mask(case["x_TD"], 0.5)
     assert torch.autograd.gradcheck(lambda x, a, b: LoRAGroupedLinear.apply(x, w, a, b, tpe, 0.5, mask), inputs)
+    probs = torch.rand(5, dtype=torch.float64, device=device).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x, a, b, p: LoRAGroupedLinear.apply(x, w, a, b, tpe, 0.5, mask, p), (*inputs, probs))
+
+
+def _run_with_probs(fn, case, grad_y_TO, probs_T, lora_mask_TD=None):
+    """y and (dx, dA, dB, dprobs) of fn with output rows scaled by probs."""
+    x = case["x_TD"].clone().requires_grad_()
+    a = case["lora_a_ERD"].clone().requires_grad_()
+    b = case["lora_b_EOR"].clone().requires_grad_()
+    p = probs_T.clone().requires_grad_()
+    y = fn(x, case["weight_EOD"], a, b, case["tokens_per_expert_E"], SCALING, lora_mask_TD, p)
+    y.backward(grad_y_TO)
+    return y.detach(), (x.grad, a.grad, b.grad, p.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_probs_scale_output_rows_with_their_gradients(device, dtype, dropout):
+    case = make_case(counts=[0, 30, 200, 0, 9], d_in=64, d_out=40, r=8, dtype=dtype, device=device)
+    T = case["x_TD"].shape[0]
+    probs = torch.rand(T, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    probs[::7] = 0.0  # padded rows carry probability 0 and still get d(probs)
+    mask = lora_dropout_mask(case["x_TD"], 0.3) if dropout else None
+    grad_y = grad_y_for(case)
+    y, grads = _run_with_probs(LoRAGroupedLinear.apply, case, grad_y, probs.to(device, dtype), mask)
+    y_ref, grads_ref = _run_with_probs(lora_grouped_linear_reference, fp64(case), grad_y.double(),
+                                       probs, None if mask is None else mask.double())
+    bound = 1e-10 if dtype == torch.float64 else BOUNDS[dtype]
+    assert rel_err(y, y_ref) < bound
+    for name, got, want in zip(("dx", "dA", "dB", "dprobs"), grads, grads_ref):
+        assert got.dtype == dtype and rel_err(got, want) < bound, name
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -192,9 +224,13 @@ def test_no_rows_and_rank_zero(device):
     torch.testing.assert_close(dx, dx_ref)
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "squared_relu"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_expert_mlp_matches_composed_references(device, dtype):
+def test_expert_mlp_matches_composed_references(device, dtype, gated):
+    from megatron.core.activations import squared_relu
+
     counts, d, d_ff, r = [40, 0, 61, 1], 48, 40, 8
+    fc1_rows = 2 * d_ff if gated else d_ff
     g = torch.Generator().manual_seed(1)
     E, T = len(counts), sum(counts)
 
@@ -202,24 +238,33 @@ def test_expert_mlp_matches_composed_references(device, dtype):
         t = torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5
         return t.to(device, dtype).requires_grad_()
 
-    fc1 = LoRAGroupedWeights(rand(E, 2 * d_ff, d).detach(), rand(E, r, d), rand(E, 2 * d_ff, r))
+    fc1 = LoRAGroupedWeights(rand(E, fc1_rows, d).detach(), rand(E, r, d), rand(E, fc1_rows, r))
     fc2 = LoRAGroupedWeights(rand(E, d, d_ff).detach(), rand(E, r, d_ff), rand(E, d, r))
     x = rand(T, d)
+    probs = (torch.rand(T, generator=g, dtype=torch.float64) * T ** 0.5).to(device).requires_grad_()
     tpe = torch.tensor(counts)
-    trainable = (x, fc1.lora_a, fc1.lora_b, fc2.lora_a, fc2.lora_b)
+    trainable = (x, fc1.lora_a, fc1.lora_b, fc2.lora_a, fc2.lora_b, probs)
 
-    y = lora_expert_mlp(x, tpe, fc1, fc2, SCALING)
+    if gated:
+        y = lora_expert_mlp(x, tpe, fc1, fc2, SCALING, probs_T=probs)
+    else:
+        y = lora_expert_mlp(x, tpe, fc1, fc2, SCALING, activation_func=squared_relu, gated=False,
+                            probs_T=probs)
     grads = torch.autograd.grad(y.sum(), trainable)
 
-    def composed(x, fc1, fc2):
+    def composed(x, fc1, fc2, probs):
+        """The base experts' math: the probability scales the activation before fc2."""
         h = lora_grouped_linear_reference(x, *fc1, tpe, SCALING)
-        gate, up = h[:, :d_ff], h[:, d_ff:]
-        return lora_grouped_linear_reference(torch.nn.functional.silu(gate) * up, *fc2, tpe, SCALING)
+        if gated:
+            act = torch.nn.functional.silu(h[:, :d_ff]) * h[:, d_ff:]
+        else:
+            act = torch.relu(h).pow(2)
+        return lora_grouped_linear_reference(act * probs.unsqueeze(1), *fc2, tpe, SCALING)
 
     as64 = [t.detach().double().requires_grad_() for t in trainable]
     fc1_64 = LoRAGroupedWeights(fc1.weight.double(), as64[1], as64[2])
     fc2_64 = LoRAGroupedWeights(fc2.weight.double(), as64[3], as64[4])
-    y_ref = composed(as64[0], fc1_64, fc2_64)
+    y_ref = composed(as64[0], fc1_64, fc2_64, as64[5])
     grads_ref = torch.autograd.grad(y_ref.sum(), as64)
     bound = 1e-10 if dtype == torch.float64 else 3e-2
     assert rel_err(y, y_ref) < bound
@@ -229,7 +274,10 @@ def test_expert_mlp_matches_composed_references(device, dtype):
 
 def _bad_inputs():
     case = make_case()
+    T = case["x_TD"].shape[0]
     return [
+        ("probs must have shape", dict(probs_T=torch.rand(T - 1, dtype=torch.float64))),
+        ("probs has dtype", dict(probs_T=torch.rand(T, dtype=torch.float32))),
         ("sums to 14 but x has 15 rows", dict(tokens_per_expert_E=torch.tensor([0, 5, 0, 6, 3, 0]))),
         ("negative", dict(tokens_per_expert_E=torch.tensor([0, 6, -1, 7, 3, 0]))),
         ("tokens_per_expert must be int64", dict(tokens_per_expert_E=torch.tensor(COUNTS, dtype=torch.int32))),
@@ -248,8 +296,13 @@ def test_bad_input_raises_clear_error(device, backend, match, change, monkeypatc
     monkeypatch.setenv(KERNELS_ENV, backend)
     case = {k: (v.to(device) if v.is_floating_point() else v)
             for k, v in dict(make_case(), **change).items()}
+    probs = case.pop("probs_T", None)
     with pytest.raises((ValueError, TypeError), match=match):
-        lora_grouped_linear(*case.values(), SCALING)
+        if probs is None:
+            lora_grouped_linear(*case.values(), SCALING)
+        else:  # the public function casts probs to x's dtype: call the op and the reference
+            fn = LoRAGroupedLinear.apply if backend == "auto" else lora_grouped_linear_reference
+            fn(*case.values(), SCALING, None, probs)
 
 
 def test_trainable_weight_and_bad_dropout_are_rejected(device):

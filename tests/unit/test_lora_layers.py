@@ -85,8 +85,13 @@ def _expert_reference(experts, rows, tokens_per_expert, probs):
             w1 = w1 + s * experts.fc1_lora_B[e] @ experts.fc1_lora_A[e]
         if experts.fc2_lora_A is not None:
             w2 = w2 + s * experts.fc2_lora_B[e] @ experts.fc2_lora_A[e]
-        gate, up = (x @ w1.T).chunk(2, dim=-1)
-        outs.append((F.silu(gate) * up * p.unsqueeze(-1)) @ w2.T)
+        h = x @ w1.T
+        if experts.config.gated_linear_unit:
+            gate, up = h.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:  # squared ReLU
+            act = torch.relu(h) ** 2
+        outs.append((act * p.unsqueeze(-1)) @ w2.T)
     return torch.cat(outs)
 
 
@@ -129,6 +134,27 @@ def test_experts_with_fc1_only_match_reference(mc):
     experts = model.decoder.layers[1].mlp.experts
     assert isinstance(experts, LoRALatentSwiGLUExperts)
     assert experts.fc2_lora_A is None and experts.fc1_lora_A is not None
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.tensor([3, 0, 2, 4])
+    rows = torch.randn(9, 16, generator=gen)
+    probs = torch.rand(9, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(experts(rows, counts, probs),
+                                   _expert_reference(experts, rows, counts, probs),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_nongated_squared_relu_experts_match_reference(tmp_path_factory):
+    from megatron_slmoe.lora import LoRALatentSwiGLUExperts, inject_lora
+
+    text = MODEL_YAML.replace("gated_linear_unit: true",
+                              "gated_linear_unit: false\n  activation_func: squared_relu")
+    model = build_model(model_config(tmp_path_factory, text, "nongated"))
+    inject_lora(model, lora_config(targets=["linear_fc1", "linear_fc2", "shared_experts"]))
+    randomize(model)
+    experts = model.decoder.layers[1].mlp.experts
+    assert isinstance(experts, LoRALatentSwiGLUExperts)
+    assert experts.fc1_weight.shape[1] == 24  # F rows: no gate half
     gen = torch.Generator().manual_seed(5)
     counts = torch.tensor([3, 0, 2, 4])
     rows = torch.randn(9, 16, generator=gen)

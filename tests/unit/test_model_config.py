@@ -11,7 +11,12 @@ import torch.nn.functional as F
 import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.model.build import build_gpt_model
-from megatron_slmoe.model.config import ModelConfig, load_model_config, packaged_configs
+from megatron_slmoe.model.config import (
+    ModelConfig,
+    dump_model_config,
+    load_model_config,
+    packaged_configs,
+)
 from megatron_slmoe.model.validation import flag, validate_moe_config
 from megatron_slmoe.moe.config import SLMoEConfig
 
@@ -252,7 +257,8 @@ def test_malformed_file(tmp_path, text, expected):
     (dict(tensor_model_parallel_size=2), "run setting"),
     (dict(num_layers="three"), "--num-layers"),
     (dict(hidden_dropout="0.1"), "model.hidden_dropout"),
-    (dict(activation_func="silu"), "cannot be set in a model file"),
+    (dict(attention_backend="flash"), "cannot be set in a model file"),
+    (dict(activation_func="relu6"), "model.activation_func must be one of silu, squared_relu"),
     (dict(moe_router_topk=9), "--moe-router-topk"),
 ])
 def test_bad_model_field(tmp_path, changes, expected):
@@ -288,6 +294,41 @@ def test_missing_file_and_unknown_name(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_model_config("no_such_model")
     assert "no_such_model" in _one_line(err) and "tiny" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["tiny", "flagship_2p8t"])
+def test_dump_reads_back_as_the_same_config(tmp_path, name):
+    mc = load_model_config(name)
+    again = load_model_config(_write(tmp_path, dump_model_config(mc), f"{name}.yaml"))
+    assert dict(again.transformer) == dict(mc.transformer)
+    assert again.gpt_kwargs() == mc.gpt_kwargs() and again.slmoe == mc.slmoe
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_squared_relu_by_name_and_mla_fields(tmp_path, q_lora_rank):
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    path = _write(tmp_path, _tiny_yaml(gated_linear_unit=False, activation_func="squared_relu",
+                                       multi_latent_attention=True, q_lora_rank=q_lora_rank,
+                                       kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
+                                       v_head_dim=8, rope_type="rope", qk_layernorm=True))
+    mc = load_model_config(path)
+    assert mc.transformer["activation_func"] == "squared_relu"  # the name, so it dumps back
+    config = mc.transformer_config()
+    assert isinstance(config, MLATransformerConfig) and config.kv_lora_rank == 8
+    assert config.q_lora_rank == q_lora_rank  # None: q is not compressed
+    assert config.activation_func is squared_relu and not config.gated_linear_unit
+    assert config.rotary_base == mc.rotary_base  # MLA's own rotary embedding reads it here
+    assert dict(load_model_config(_write(tmp_path, dump_model_config(mc), "again.yaml"))
+                .transformer) == dict(mc.transformer)
+
+
+def test_vocab_not_divisible_by_tensor_parallel_size(tmp_path):
+    mc = load_model_config(_write(tmp_path, _tiny_yaml(vocab_size=511)))
+    with pytest.raises(ConfigError) as err:
+        mc.transformer_config(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert _one_line(err).startswith("--tensor-model-parallel-size 2 does not divide")
 
 
 # --- the tiny model runs -------------------------------------------------------------------------

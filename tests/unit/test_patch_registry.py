@@ -118,3 +118,22 @@ def test_compat_targets_exist_even_where_transformer_engine_is_installed(monkeyp
 def test_every_patch_says_why():
     for entry in adaptor_for("cpu").describe():
         assert entry["reason"].strip(), entry["target"]
+
+
+def test_a_class_is_only_replaced_by_a_subclass(fake_modules):
+    a, _ = fake_modules
+    original = a.Thing
+    registry = PatchRegistry()
+    registry.register("slmoe_fake_a.greet", lambda: "patched", "test")
+    registry.register("slmoe_fake_a.Thing", lambda: original(), "test")
+    with pytest.raises(PatchTargetError, match="subclass"):
+        registry.apply()
+    assert a.Thing is original and a.greet() == "original"  # nothing was half-applied
+
+    class BetterThing(original):
+        pass
+
+    registry = PatchRegistry()
+    registry.register("slmoe_fake_a.Thing", BetterThing, "test")
+    registry.apply()
+    assert a.Thing is BetterThing and a.Thing | None == BetterThing | None

@@ -4,6 +4,7 @@ rules, the flagship on three clusters, an infeasible cluster with the smallest t
 start-up check, and one-line bad input."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -35,6 +36,55 @@ def test_census_from_config_equals_meta_census(megatron_single_rank, name):
     from megatron_slmoe.model.config import load_model_config
 
     assert census(load_shape(name)) == count_parameters(load_model_config(name))
+
+
+# Imported Hugging Face families bring multi-latent attention (with and without the q compression)
+# and non-gated squared-ReLU experts; shapes as DeepSeek-V3 / NemotronH give them.
+_HF_SHAPED = """\
+model:
+  num_layers: 3
+  moe_layer_freq: [0, 1, 1]
+  hidden_size: 32
+  ffn_hidden_size: 48
+  num_attention_heads: 4
+  normalization: RMSNorm
+  gated_linear_unit: {gated}
+  activation_func: {activation}
+  num_moe_experts: 4
+  moe_router_topk: 2
+  moe_ffn_hidden_size: 16
+  moe_shared_expert_intermediate_size: 24
+  vocab_size: 64
+  max_sequence_length: 64
+{attention}"""
+_MLA = """\
+  multi_latent_attention: true
+  q_lora_rank: {q_lora_rank}
+  kv_lora_rank: 8
+  qk_head_dim: 8
+  qk_pos_emb_head_dim: 4
+  v_head_dim: 6
+  qk_layernorm: true
+  rope_type: rope
+"""
+
+
+@pytest.mark.parametrize("case", ["mla-q-lora", "mla-no-q-lora", "squared-relu-experts"])
+def test_census_of_hf_shaped_configs_equals_meta_census(megatron_single_rank, tmp_path, case):
+    from megatron_slmoe.model.census import count_parameters
+    from megatron_slmoe.model.config import load_model_config
+
+    if case == "squared-relu-experts":
+        fields = dict(gated="false", activation="squared_relu",
+                      attention="  num_query_groups: 2\n  kv_channels: 8\n  qk_layernorm: true\n"
+                                "  moe_latent_size: 16\n")
+    else:
+        q_lora_rank = 16 if case == "mla-q-lora" else "null"
+        fields = dict(gated="true", activation="silu",
+                      attention=_MLA.format(q_lora_rank=q_lora_rank))
+    path = tmp_path / f"{case}.yaml"
+    path.write_text(_HF_SHAPED.format(**fields))
+    assert census(load_shape(path)) == count_parameters(load_model_config(path))
 
 
 def test_flagship_weights_are_5p6_tb_in_bf16():
@@ -140,7 +190,10 @@ def test_alltoall_bytes_follow_the_dispatcher_rules():
     tokens = 512
     s = RunSettings(tp=8, pp=8, ep=16, dp=8, devices_per_node=8)
     intra, inter = alltoall_bytes_per_layer(shape, s, tokens)
-    rows_per_rank = tokens * 16 / 16  # k rows per token, spread over 16 ranks
+    # A token goes once to each rank holding one of its 16 experts. A rank holds half of one of
+    # the 8 groups; the token picks 4 groups, then its experts among their 448.
+    p_rank = 4 / 8 * (1 - math.comb(448 - 56, 16) / math.comb(448, 16))
+    rows_per_rank = tokens * p_rank
     row = 3072 * 2  # latent width, bf16
     # 7 other ranks on this node, 8 on the other node; dispatch and combine.
     assert intra == pytest.approx(2 * 7 * rows_per_rank * row)

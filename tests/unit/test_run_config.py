@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A value for every field of the tree, each different from its default, valid together.
 NON_DEFAULT = {
-    "model": {"config": "small", "base_checkpoint": "base/", "adapter_init": "adapter/",
+    "model": {"config": "small", "base_checkpoint": "base/", "hf_checkpoint": None,
+              "hf_shape_check": False, "hf_unmap_mib": 16, "adapter_init": "adapter/",
               "finetune_mode": "lora", "precision": "bf16"},
     "parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                  "expert_model_parallel_size": 4, "use_distributed_optimizer": True,
@@ -41,7 +42,8 @@ NON_DEFAULT = {
     "output": {"output_dir": "out", "tensorboard": False, "keep_last": 3, "resume": False,
                "save_base": None, "plots": False},
 }
-# save_base needs --finetune-mode full, which excludes --adapter-init: checked on its own below.
+# save_base needs --finetune-mode full, which excludes --adapter-init; hf_checkpoint excludes
+# --model-config and --base-checkpoint: each checked on its own below.
 
 
 def _flags_for(values: dict) -> list[str]:
@@ -67,7 +69,7 @@ def test_the_table_covers_every_field_with_a_non_default_value():
     for section, cls in RunConfig.sections().items():
         for f in settings(cls):
             assert f.name in NON_DEFAULT[section], f"add {section}.{f.name} to NON_DEFAULT"
-            if f.name not in ("save_base", "finetune_mode"):  # see test_save_base_is_reachable_too
+            if f.name not in ("save_base", "finetune_mode", "hf_checkpoint"):  # see below
                 assert NON_DEFAULT[section][f.name] != defaults[section][f.name], (section, f.name)
 
 
@@ -87,6 +89,12 @@ def test_save_base_is_reachable_too():
     run = parse_command_line(["--finetune-mode", "full", "--save-base", "b"], prog="t",
                              description="", world_size=1).run
     assert (run.output.save_base, run.model.finetune_mode) == ("b", "full")
+
+
+def test_hf_checkpoint_is_reachable_too():
+    run = parse_command_line(["--hf-checkpoint", "hf/", "--no-hf-shape-check"], prog="t",
+                             description="", world_size=1).run
+    assert (run.model.hf_checkpoint, run.model.hf_shape_check) == ("hf/", False)
 
 
 def test_flags_win_over_yaml_and_yaml_over_defaults(tmp_path):
@@ -152,7 +160,13 @@ def test_bad_yaml_is_one_line_naming_file_key_or_flag(tmp_path, text, needle):
     (["--lora-target-modules", "router", "router"], "names a target twice"),
     (["--moe-routing-kl-coeff", "0.1", "--finetune-mode", "full"],
      "--moe-routing-kl-coeff needs --finetune-mode lora"),
-    (["--moe-monitor-min-tokens", "-1"], "monitor.min_routed_tokens: --moe-monitor-min-tokens must be >= 0"),
+    (["--moe-monitor-min-tokens", "-1"], 
+     "monitor.min_routed_tokens: --moe-monitor-min-tokens must be >= 0"),
+    (["--hf-checkpoint", "hf/", "--base-checkpoint", "b/"],
+     "model.hf_checkpoint: --hf-checkpoint and --base-checkpoint are exclusive"),
+    (["--hf-checkpoint", "hf/", "--model-config", "small"],
+     "model.hf_checkpoint: --hf-checkpoint and --model-config are exclusive"),
+    (["--hf-unmap-mib", "0"], "model.hf_unmap_mib: --hf-unmap-mib must be positive"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(argv, needle):
     with pytest.raises(ConfigError) as err:

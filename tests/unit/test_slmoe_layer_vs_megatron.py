@@ -12,7 +12,11 @@ HIDDEN, EXPERTS, TOPK, FFN, SHARED = 16, 8, 2, 12, 20
 
 
 def _config(**overrides):
+    from megatron.core.activations import squared_relu
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if overrides.get("activation_func") == "squared_relu":
+        overrides["activation_func"] = squared_relu
 
     fields = dict(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=EXPERTS,
@@ -108,6 +112,8 @@ CASES = {
     "softmax-group-limited-zloss-prenorm": dict(
         moe_router_num_groups=4, moe_router_group_topk=2, moe_z_loss_coeff=1e-3,
         moe_router_pre_softmax=True),
+    # Non-gated experts (and shared expert) with squared ReLU, as Megatron-Core chooses them.
+    "nongated-squared-relu": dict(gated_linear_unit=False, activation_func="squared_relu"),
 }
 
 

@@ -4,14 +4,23 @@ Run under torchrun; every rank is one expert-parallel rank:
 
     torchrun --nproc-per-node 4 tools/bench/dispatch.py --node-size 2 --json runs/bench/dispatch.json
 
-For each shape it times Megatron-Core's all-gather dispatcher (the baseline) and all-to-all
-dispatcher, and ours (all-gather, flat all-to-all, and hierarchical all-to-all when there is more
-than one node), at the hidden width and at the latent width, on the same ranks with the same
-routing. The "expert" between dispatch and combine only weights rows by their router probability,
-so the figures are the dispatcher's own cost. Bytes are token rows sent to other ranks in one
-forward (dispatch + combine), summed over ranks; the backward sends as many again. Every variant's combined output is checked against
-the baseline's before it is timed. Prints a table and writes JSON rows with at least
-dispatcher, ep_size, latent, tokens, fwd_bwd_ms, bytes_intra_node, bytes_inter_node.
+For each shape (experts, top-k, routing, tokens) it times Megatron-Core's all-gather dispatcher
+(the baseline) and all-to-all dispatcher, and ours (all-gather, flat all-to-all, and hierarchical
+all-to-all when there is more than one node), at the hidden width and at the latent width, on the
+same ranks with the same routing. Routing is uniform top-k, or node-limited (``--routing
+node_limited``: the experts form one group per node and each token picks its k experts within
+``--group-topk`` groups, as Megatron's group-limited routing does). The "expert" between dispatch
+and combine only weights rows by their router probability, so the figures are the dispatcher's own
+cost. Bytes are token rows sent to other ranks in one forward (dispatch + combine), summed over
+ranks, by the dispatchers' accounting rule (``flat_traffic_rows``; Megatron's all-to-all sends one
+row per (token, expert) pair, counted from the routing map); the backward sends as many again.
+``meta_bytes_per_token`` is what rides along per token in the dispatch: our 12-byte entries
+(probability, row, expert) per (token, expert) pair sent off-rank, Megatron's all-to-all its fp32
+probability per row sent, the all-gather the [E] probabilities and routing mask of every token to
+every peer. Every variant's combined output is checked against the baseline's before it is timed.
+Prints a table and writes JSON rows with at least dispatcher, ep_size, experts, topk, routing,
+latent, tokens, fwd_bwd_ms, bytes_intra_node, bytes_inter_node, bytes_per_token,
+inter_bytes_per_token.
 """
 
 from __future__ import annotations
@@ -23,15 +32,20 @@ import sys
 import time
 from datetime import timedelta
 
+ROUTINGS = ("uniform", "node_limited")
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024],
-                        help="tokens per rank")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024], help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--latent", type=int, default=128)
-    parser.add_argument("--experts-per-rank", type=int, default=4)
-    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--experts", type=int, nargs="+", default=[64, 256],
+                        help="routed experts (all ranks together)")
+    parser.add_argument("--topk", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--routing", choices=ROUTINGS, nargs="+", default=list(ROUTINGS))
+    parser.add_argument("--group-topk", type=int, default=1,
+                        help="node-limited routing: nodes (expert groups) a token may use")
     parser.add_argument("--node-size", type=int, default=None,
                         help="ranks per node (default LOCAL_WORLD_SIZE); smaller than the world "
                              "emulates several nodes on one machine")
@@ -41,8 +55,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.latent >= args.hidden:
         parser.error("--latent must be smaller than --hidden")
-    if min(args.tokens) <= 0 or args.topk <= 0 or args.experts_per_rank <= 0 or args.reps <= 0:
-        parser.error("--tokens, --topk, --experts-per-rank and --reps must be positive")
+    if min(args.tokens + args.topk + args.experts) <= 0 or args.reps <= 0 or args.group_topk <= 0:
+        parser.error("--tokens, --topk, --experts, --group-topk and --reps must be positive")
     return args
 
 
@@ -59,16 +73,31 @@ def main(argv=None) -> int:
     platform.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.distributed.init_process_group(platform.backend, timeout=timedelta(minutes=10))
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    num_experts = args.experts_per_rank * world
-    if args.topk > num_experts:
-        print(f"error: --topk {args.topk} exceeds the {num_experts} experts", file=sys.stderr)
-        return 2
+    nodes = world // min(args.node_size or world, world)
+    for experts in args.experts:
+        if experts % world:
+            print(f"error: --experts {experts} is not divisible by the {world} ranks",
+                  file=sys.stderr)
+            return 2
+        if max(args.topk) > experts:
+            print(f"error: --topk {max(args.topk)} exceeds --experts {experts}", file=sys.stderr)
+            return 2
+        if "node_limited" in args.routing and (args.group_topk > nodes
+                                               or max(args.topk) > args.group_topk * experts // nodes):
+            print(f"error: node-limited routing of top-{max(args.topk)} within {args.group_topk} "
+                  f"of {nodes} nodes needs more experts per node than {experts // nodes}",
+                  file=sys.stderr)
+            return 2
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
     torch.manual_seed(1234)
     rows = []
-    for tokens in args.tokens:
-        for width in (args.hidden, args.latent):
-            rows += bench_shape(args, tokens, width, num_experts, platform)
+    for experts in args.experts:
+        for topk in args.topk:
+            for routing in args.routing:
+                for tokens in args.tokens:
+                    for width in (args.hidden, args.latent):
+                        rows += bench_shape(args, tokens, width, experts, topk, routing, nodes,
+                                            platform)
     if rank == 0:
         print_table(rows)
         if args.json:
@@ -120,33 +149,54 @@ class _MegatronAdapter:
             -1, out_RL.shape[-1])
 
 
-def bench_shape(args, tokens, width, num_experts, platform):
+def _routing(logits, topk: int, routing: str, nodes: int, group_topk: int):
+    """Top-k probabilities and map; node-limited: only experts of the ``group_topk`` nodes whose
+    best two experts score highest (Megatron's group score) are eligible."""
+    import torch
+
+    if routing == "node_limited" and nodes > 1:
+        tokens, experts = logits.shape
+        grouped = logits.view(tokens, nodes, experts // nodes)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        chosen = group_score.topk(group_topk, dim=-1).indices
+        allowed = torch.zeros(tokens, nodes, dtype=torch.bool).scatter(1, chosen, True)
+        logits = logits.masked_fill(~allowed.repeat_interleave(experts // nodes, dim=1),
+                                    float("-inf"))
+    top_logits, top_idx = logits.topk(topk, dim=-1)
+    probs = torch.zeros_like(logits).scatter(1, top_idx, top_logits.softmax(-1))
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True)
+    return probs, routing_map
+
+
+def bench_shape(args, tokens, width, num_experts, topk, routing, nodes, platform):
     import torch
     from megatron.core import parallel_state
 
     from megatron_slmoe.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
+    from megatron_slmoe.moe.dispatch.alltoall import flat_traffic_rows
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     ep_group = parallel_state.get_expert_model_parallel_group()
-    local = list(range(rank * args.experts_per_rank, (rank + 1) * args.experts_per_rank))
+    per_rank = num_experts // world
+    local = list(range(rank * per_rank, (rank + 1) * per_rank))
     gen = torch.Generator().manual_seed(100 + rank)
     # Routing first, so the hidden-width and latent-width runs route identically.
-    logits = torch.randn(tokens, num_experts, generator=gen).to(platform.device())
+    logits = torch.randn(tokens, num_experts, generator=gen)
+    probs, routing_map = _routing(logits, topk, routing, nodes, args.group_topk)
+    probs, routing_map = probs.to(platform.device()), routing_map.to(platform.device())
     x = torch.randn(tokens, width, generator=gen).to(platform.device())
-    top_logits, top_idx = logits.topk(args.topk, dim=-1)
-    probs = torch.zeros_like(logits).scatter(1, top_idx, top_logits.softmax(-1))
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True)
     grad = torch.randn(tokens, width, generator=gen).to(platform.device())
 
     variants = {
-        "megatron_allgather": _MegatronAdapter(_megatron_dispatcher("allgather", num_experts, width, args.topk, world)),
-        "megatron_alltoall": _MegatronAdapter(_megatron_dispatcher("alltoall", num_experts, width, args.topk, world)),
+        "megatron_allgather": _MegatronAdapter(_megatron_dispatcher("allgather", num_experts, width, topk, world)),
+        "megatron_alltoall": _MegatronAdapter(_megatron_dispatcher("alltoall", num_experts, width, topk, world)),
         "slmoe_allgather": AllGatherDispatcher(num_experts, local, ep_group, args.node_size),
         "slmoe_alltoall": AllToAllDispatcher(num_experts, local, ep_group, node_size=args.node_size),
     }
     hier = AllToAllDispatcher(num_experts, local, ep_group, hierarchical=True, node_size=args.node_size)
     if hier.hierarchical:
         variants["slmoe_alltoall_hierarchical"] = hier
+    node_of = variants["slmoe_alltoall"].layout.node_of_group_rank
 
     def run(dispatcher, backward=True):
         xi = x.clone().requires_grad_(backward)
@@ -157,12 +207,16 @@ def bench_shape(args, tokens, width, num_experts, platform):
             y.backward(grad)
         return y.detach()
 
+    # Pairs and rows by destination, for bytes the dispatchers do not count themselves.
+    pairs_to_rank = routing_map.view(tokens, world, per_rank).sum(-1)  # (token, expert) per rank
+    rows_to_rank = (pairs_to_rank > 0).sum(0).tolist()  # (token, rank) rows
+    row_bytes = width * x.element_size()
     reference = run(variants["megatron_allgather"], backward=False)
     results = []
     for name, dispatcher in variants.items():
-        row = {"dispatcher": name, "ep_size": world, "latent": width != args.hidden,
-               "width": width, "tokens": tokens, "experts": num_experts, "topk": args.topk,
-               "device": platform.name, "node_size": args.node_size or world}
+        row = {"dispatcher": name, "ep_size": world, "nodes": nodes, "latent": width != args.hidden,
+               "width": width, "tokens": tokens, "experts": num_experts, "topk": topk,
+               "routing": routing, "device": platform.name, "node_size": args.node_size or world}
         y = run(dispatcher, backward=False)
         err = ((y - reference).norm() / reference.norm()).item()
         err_t = torch.tensor([err], dtype=torch.float64)
@@ -188,25 +242,64 @@ def bench_shape(args, tokens, width, num_experts, platform):
                 if i >= args.warmup:
                     times.append(elapsed.item() * 1e3)
             row[key] = statistics.median(times)
-        if traffic is not None:  # bytes of one forward (dispatch + combine), summed over ranks;
-            # the backward moves the same again
+        meta = 0.0
+        if name == "megatron_alltoall":  # one row per (token, expert) pair, there and back
+            intra, inter = flat_traffic_rows(pairs_to_rank.sum(0).tolist(), node_of, rank)
+            counted = torch.tensor([2.0 * intra * row_bytes, 2.0 * inter * row_bytes],
+                                   dtype=torch.float64)
+            meta = 4.0 * (intra + inter)  # its fp32 probability per row
+        elif traffic is not None:  # one forward (dispatch + combine), as counted by ours
             counted = traffic.state.clone()
-            torch.distributed.all_reduce(counted)
-            row["bytes_intra_node"], row["bytes_inter_node"] = int(counted[0]), int(counted[1])
+            if name == "slmoe_alltoall":
+                off_rank = pairs_to_rank.sum().item() - pairs_to_rank[:, rank].sum().item()
+                meta = 12.0 * off_rank
+            elif name == "slmoe_alltoall_hierarchical":
+                meta = 12.0 * _hierarchical_entries_sent(routing_map, world, nodes, rank)
+            else:  # our all-gather: probabilities and mask of every token to every peer
+                meta = (4.0 + 1.0) * num_experts * tokens * (world - 1)
         else:  # Megatron's all-gather: every rank's rows to every peer and back, as ours counts
-            row.update(_allgather_bytes(tokens, width, x.element_size(), world,
-                                        args.node_size or world))
-        if name == "megatron_alltoall":  # per (token, expert) row like our flat mode
-            row.update({k: None for k in ("bytes_intra_node", "bytes_inter_node")})
-        total = (row["bytes_intra_node"] or 0) + (row["bytes_inter_node"] or 0)
-        row["bytes_per_token"] = total / (tokens * world) if row["bytes_intra_node"] is not None else None
+            counted = torch.tensor(list(_allgather_bytes(tokens, width, x.element_size(), world,
+                                                         args.node_size or world).values()),
+                                   dtype=torch.float64)
+            meta = (4.0 + 1.0) * num_experts * tokens * (world - 1)
+        counted = torch.cat([counted, torch.tensor([meta], dtype=torch.float64)])
+        torch.distributed.all_reduce(counted)  # summed over ranks
+        row["bytes_intra_node"], row["bytes_inter_node"] = int(counted[0]), int(counted[1])
+        all_tokens = tokens * world
+        row["bytes_per_token"] = (counted[0] + counted[1]).item() / all_tokens
+        row["inter_bytes_per_token"] = counted[1].item() / all_tokens
+        row["meta_bytes_per_token"] = counted[2].item() / all_tokens
         row["status"] = "ok"
         results.append(row)
     base = next(r for r in results if r["dispatcher"] == "megatron_allgather")
+    a2a = next(r for r in results if r["dispatcher"] == "megatron_alltoall")
     for r in results:
         if "fwd_bwd_ms" in r:
             r["fwd_bwd_vs_megatron_allgather"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"]
+            if "fwd_bwd_ms" in a2a:
+                r["fwd_bwd_vs_megatron_alltoall"] = r["fwd_bwd_ms"] / a2a["fwd_bwd_ms"]
     return results
+
+
+def _hierarchical_entries_sent(routing_map, world, nodes, rank):
+    """(token, expert) entries our hierarchical dispatch sends off-rank from this rank: in hop A
+    those of its own tokens with the expert on another node; in hop B those that hop A delivered
+    to it (from this slot of every node) with the expert on another rank of its node."""
+    import torch
+
+    tokens, experts = routing_map.shape
+    maps = [torch.empty_like(routing_map) for _ in range(world)]
+    torch.distributed.all_gather(maps, routing_map)
+    per_node, per_rank = world // nodes, experts // world
+    node, slot = divmod(rank, per_node)
+    node_experts = slice(node * per_node * per_rank, (node + 1) * per_node * per_rank)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    hop_a = routing_map.sum().item() - routing_map[:, node_experts].sum().item()
+    hop_b = 0
+    for other_node in range(nodes):
+        sender = maps[other_node * per_node + slot]
+        hop_b += sender[:, node_experts].sum().item() - sender[:, mine].sum().item()
+    return hop_a + hop_b
 
 
 def _allgather_bytes(tokens, width, elem, world, node_size):
@@ -218,19 +311,18 @@ def _allgather_bytes(tokens, width, elem, world, node_size):
 
 
 def print_table(rows):
-    header = ("dispatcher", "ep", "width", "tokens", "fwd_ms", "fwd_bwd_ms", "x_megatron_ag",
-              "bytes/token", "intra_MB", "inter_MB", "status")
-    print(" | ".join(f"{h:>14}" if i else f"{h:<28}" for i, h in enumerate(header)))
+    header = ("dispatcher", "E", "k", "routing", "width", "tokens", "fwd_bwd_ms", "x_mcore_a2a",
+              "x_mcore_ag", "B/token", "inter_B/tok", "meta_B/tok", "status")
+    print(" | ".join(f"{h:>11}" if i else f"{h:<28}" for i, h in enumerate(header)))
     for r in rows:
         def fmt(v, spec):
             return "-" if v is None else format(v, spec)
-        cells = [r["dispatcher"], r["ep_size"], r["width"], r["tokens"], fmt(r.get("fwd_ms"), ".2f"),
-                 fmt(r.get("fwd_bwd_ms"), ".2f"), fmt(r.get("fwd_bwd_vs_megatron_allgather"), ".2f"),
-                 fmt(r.get("bytes_per_token"), ".0f"),
-                 fmt(None if r.get("bytes_intra_node") is None else r["bytes_intra_node"] / 1e6, ".2f"),
-                 fmt(None if r.get("bytes_inter_node") is None else r["bytes_inter_node"] / 1e6, ".2f"),
-                 r["status"]]
-        print(" | ".join(f"{c:>14}" if i else f"{c:<28}" for i, c in enumerate(map(str, cells))))
+        cells = [r["dispatcher"], r["experts"], r["topk"], r["routing"], r["width"], r["tokens"],
+                 fmt(r.get("fwd_bwd_ms"), ".1f"), fmt(r.get("fwd_bwd_vs_megatron_alltoall"), ".2f"),
+                 fmt(r.get("fwd_bwd_vs_megatron_allgather"), ".2f"),
+                 fmt(r.get("bytes_per_token"), ".0f"), fmt(r.get("inter_bytes_per_token"), ".0f"),
+                 fmt(r.get("meta_bytes_per_token"), ".0f"), r["status"]]
+        print(" | ".join(f"{c:>11}" if i else f"{c:<28}" for i, c in enumerate(map(str, cells))))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ struct Case {
   at::ScalarType dtype;
   bool dropout;
   bool strided_x;  // x a column slice of a wider tensor (not contiguous)
+  bool probs = false;  // router probabilities scale the output rows
 };
 
 void run(const Case& c) {
@@ -102,6 +103,7 @@ void run(const Case& c) {
   const at::Tensor dy = at::randn({T, c.d_out}, f64);
   const at::Tensor mask = (at::rand({T, c.d_in}, f64) > 0.3).to(at::kDouble) / 0.7;
   const at::Tensor counts = at::tensor(c.counts, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor p = at::rand({T}, f64);
   const double s = 2.0;
   const auto dt = c.dtype;
   // Inputs rounded to the dtype; the reference computes in float64 from the rounded values.
@@ -109,14 +111,16 @@ void run(const Case& c) {
   const at::Tensor lxq = c.dropout ? (xq * mq) : xq;
   const std::optional<at::Tensor> lora_x = c.dropout ? std::optional<at::Tensor>(lxq) : std::nullopt;
   const std::optional<at::Tensor> lora_mask = c.dropout ? std::optional<at::Tensor>(mq) : std::nullopt;
+  const std::optional<at::Tensor> probs = c.probs ? std::optional<at::Tensor>(p.to(dt)) : std::nullopt;
 
-  const auto [y, h] = slmoe::lora_grouped_linear_fwd_npu(xq, wq, aq, bq, counts, s, lora_x);
-  const auto d = slmoe::check_forward_inputs(xq, wq, aq, bq, counts, lora_x);
+  const auto [y, h] = slmoe::lora_grouped_linear_fwd_npu(xq, wq, aq, bq, counts, s, lora_x, probs);
+  const auto d = slmoe::check_forward_inputs(xq, wq, aq, bq, counts, lora_x, probs);
   const auto offsets = slmoe::group_offsets(counts, T);
   const auto up = [](const at::Tensor& t) { return t.to(at::kDouble); };
   const std::optional<at::Tensor> lora_x64 = c.dropout ? std::optional<at::Tensor>(up(lxq)) : std::nullopt;
-  const auto [y_ref, h_ref] =
-      slmoe::lora_grouped_linear_fwd_aten(d, offsets, up(xq), up(wq), up(aq), up(bq), s, lora_x64, kSerial);
+  const std::optional<at::Tensor> probs64 = c.probs ? std::optional<at::Tensor>(up(*probs)) : std::nullopt;
+  const auto [y_ref, h_ref] = slmoe::lora_grouped_linear_fwd_aten(d, offsets, up(xq), up(wq), up(aq), up(bq), s,
+                                                                  lora_x64, probs64, kSerial);
   const double tol = dt == at::kBFloat16 ? 1e-2 : (dt == at::kHalf ? 2e-3 : 1e-5);
   expect(y.scalar_type() == dt && h.scalar_type() == dt, c.name + ": output dtype");
   expect(rel_err(y, y_ref) < tol, c.name + ": y " + std::to_string(rel_err(y, y_ref)));
@@ -125,10 +129,12 @@ void run(const Case& c) {
   for (int outs = 0; outs < 8; ++outs) {
     const std::array<bool, 3> om = {bool(outs & 1), bool(outs & 2), bool(outs & 4)};
     const at::Tensor lx_in = c.dropout ? lxq : xq;
-    const auto [dx, da, db] = slmoe::lora_grouped_linear_bwd_npu(dyq, lx_in, wq, aq, bq, h, counts, s, lora_mask, om);
+    const auto [dx, da, db] = slmoe::lora_grouped_linear_bwd_npu(dyq, lx_in, wq, aq, bq, h, counts, s, lora_mask, om,
+                                                                 probs);
     const std::optional<at::Tensor> mask64 = c.dropout ? std::optional<at::Tensor>(up(mq)) : std::nullopt;
     const auto [dx_ref, da_ref, db_ref] = slmoe::lora_grouped_linear_bwd_aten(
-        d, offsets, up(dyq), up(lx_in), up(wq), up(aq), up(bq), up(h), s, mask64, {true, true, true}, kSerial);
+        d, offsets, up(dyq), up(lx_in), up(wq), up(aq), up(bq), up(h), s, mask64, {true, true, true}, probs64,
+        kSerial);
     const std::string tag = c.name + " output_mask " + std::to_string(outs);
     expect(dx.defined() == om[0] && da.defined() == om[1] && db.defined() == om[2], tag + ": undefined outputs");
     if (om[0]) expect(rel_err(dx, dx_ref) < tol, tag + ": dx " + std::to_string(rel_err(dx, dx_ref)));
@@ -157,6 +163,7 @@ int main() {
     const std::string n = dt == at::kBFloat16 ? "bf16" : (dt == at::kHalf ? "fp16" : "fp32 (ATen path)");
     run({n + " uneven", uneven, 13, 37, 8, dt, false, false});
     run({n + " dropout, strided x", uneven, 13, 37, 16, dt, true, true});
+    run({n + " probs, dropout", uneven, 13, 37, 8, dt, true, false, true});
   }
   run({"bf16 no rows", {0, 0, 0}, 16, 24, 4, at::kBFloat16, false, false});
   run({"bf16 rank 0", {3, 0, 4}, 16, 24, 0, at::kBFloat16, false, false});
@@ -165,17 +172,17 @@ int main() {
   const auto counts = at::tensor(std::vector<int64_t>{2}, at::TensorOptions().dtype(at::kLong));
   expect_error<c10::TypeError>("float64", "float64 is not supported on Ascend NPUs", [&] {
     slmoe::lora_grouped_linear_fwd_npu(at::zeros({2, 4}, f), at::zeros({1, 3, 4}, f), at::zeros({1, 2, 4}, f),
-                                       at::zeros({1, 3, 2}, f), counts, 1.0, std::nullopt);
+                                       at::zeros({1, 3, 2}, f), counts, 1.0, std::nullopt, std::nullopt);
   });
   const auto bf = at::TensorOptions().dtype(at::kBFloat16);
   expect_error<c10::ValueError>("d_in limit", "d_in, d_out and r must be at most 65535", [&] {
     slmoe::lora_grouped_linear_fwd_npu(at::zeros({2, 65536}, bf), at::zeros({1, 1, 65536}, bf),
                                        at::zeros({1, 1, 65536}, bf), at::zeros({1, 1, 1}, bf), counts, 1.0,
-                                       std::nullopt);
+                                       std::nullopt, std::nullopt);
   });
   expect_error<c10::ValueError>("shared checks", "tokens_per_expert sums to 2 but x has 3 rows", [&] {
     slmoe::lora_grouped_linear_fwd_npu(at::zeros({3, 4}, bf), at::zeros({1, 3, 4}, bf), at::zeros({1, 2, 4}, bf),
-                                       at::zeros({1, 3, 2}, bf), counts, 1.0, std::nullopt);
+                                       at::zeros({1, 3, 2}, bf), counts, 1.0, std::nullopt, std::nullopt);
   });
   if (g_failures) {
     std::printf("npu_binding_test: %d check(s) failed\n", g_failures);

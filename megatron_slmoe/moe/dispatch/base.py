@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_slmoe.moe.dispatch.traffic import TrafficAccumulator
+from megatron_slmoe.moe.stages import COMBINE, DISPATCH, EXPERTS, stage
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """experts(rows_RL, tokens_per_expert_E, probs_R) -> out_RL."""
@@ -57,6 +58,9 @@ class TokenDispatcher(ABC):
                                  routing_map_TE: torch.Tensor, experts: ExpertsFn,
                                  chunks: int) -> torch.Tensor:
         """dispatch -> experts -> combine; dispatchers with ``supports_overlap`` pipeline it."""
-        dispatched = self.dispatch(x_TL, probs_TE, routing_map_TE)
-        out_RL = experts(dispatched.rows_RL, dispatched.tokens_per_expert_E, dispatched.probs_R)
-        return self.combine(out_RL, dispatched.plan)
+        with stage(DISPATCH):
+            dispatched = self.dispatch(x_TL, probs_TE, routing_map_TE)
+        with stage(EXPERTS):
+            out_RL = experts(dispatched.rows_RL, dispatched.tokens_per_expert_E, dispatched.probs_R)
+        with stage(COMBINE):
+            return self.combine(out_RL, dispatched.plan)

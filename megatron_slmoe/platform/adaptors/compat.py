@@ -24,6 +24,11 @@ def register_without_te(registry: PatchRegistry) -> None:
         None,
         "the router's gating GEMM reads this name, defined only when TE imports",
     )
+    registry.register(
+        "megatron.core.transformer.multi_latent_attention.HAVE_TE",
+        False,
+        "its TE import succeeds with mock classes when TE is absent, and isinstance on them fails",
+    )
     registry.wrap(
         "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
         _norm_with_sequence_parallel,

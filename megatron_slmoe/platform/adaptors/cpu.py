@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import warnings
 
 import torch
@@ -41,15 +42,21 @@ def build_registry() -> PatchRegistry:
 # --- torch.cuda facade -------------------------------------------------------------------------
 
 
-class _CpuEvent:
-    """Stand-in for torch.cuda.Event: CPU work is synchronous, so an event is complete at once."""
+# The stand-ins subclass torch's own classes and leave construction working on CPU: other
+# libraries imported in the same process use torch.cuda.Stream/Event in annotations
+# (``torch.cuda.Stream | None``) and isinstance checks, which need classes, not functions.
+
+
+class _CpuEvent(torch.cuda.Event):
+    """torch.cuda.Event on CPU: CPU work is synchronous, so an event is complete at once."""
+
+    def __new__(cls, *_args: object, **_kwargs: object) -> "_CpuEvent":
+        return object.__new__(cls)  # torch's __new__ would ask the CUDA runtime for an event
 
     def __init__(self, enable_timing: bool = False, **_: object) -> None:
         self._time = None
 
     def record(self, stream: object = None) -> None:
-        import time
-
         self._time = time.perf_counter()
 
     def wait(self, stream: object = None) -> None:
@@ -64,9 +71,24 @@ class _CpuEvent:
     def elapsed_time(self, end: "_CpuEvent") -> float:
         return (end._time - self._time) * 1000.0
 
+    def __repr__(self) -> str:
+        return "<torch.cuda.Event on cpu>"
 
-class _CpuStream:
-    """Stand-in for torch.cuda.Stream: there is one in-order CPU stream, so every wait is a no-op."""
+
+class _CpuStream(torch.cuda.Stream):
+    """torch.cuda.Stream on CPU: there is one in-order CPU stream, so every stream is that one
+    and every wait is a no-op."""
+
+    _the_stream: "_CpuStream | None" = None
+    device = _CPU
+
+    def __new__(cls, *_args: object, **_kwargs: object) -> "_CpuStream":
+        if cls._the_stream is None:
+            cls._the_stream = object.__new__(cls)  # torch's __new__ needs the CUDA runtime
+        return cls._the_stream
+
+    def __init__(self, *_args: object, **_kwargs: object) -> None:
+        pass
 
     def wait_stream(self, stream: object) -> None:
         pass
@@ -84,6 +106,15 @@ class _CpuStream:
 
     def query(self) -> bool:
         return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self) -> int:
+        return hash(_CpuStream)
+
+    def __repr__(self) -> str:
+        return "<torch.cuda.Stream: the CPU stream>"
 
 
 _THE_CPU_STREAM = _CpuStream()
@@ -118,7 +149,7 @@ def _register_cuda_facade(registry: PatchRegistry) -> None:
     r("torch.cuda.set_device", noop(), "there is only one CPU device")
     r("torch.cuda.current_stream", lambda device=None: _THE_CPU_STREAM, "one in-order CPU stream")
     r("torch.cuda.default_stream", lambda device=None: _THE_CPU_STREAM, "one in-order CPU stream")
-    r("torch.cuda.Stream", lambda *a, **k: _THE_CPU_STREAM, "side streams collapse to the CPU stream")
+    r("torch.cuda.Stream", _CpuStream, "side streams collapse to the one CPU stream")
     r("torch.cuda.stream", stream_context, "stream switches are no-ops on CPU")
     r("torch.cuda.Event", _CpuEvent, "events complete immediately on CPU")
     r("torch.cuda.empty_cache", noop(), "no caching allocator on CPU")

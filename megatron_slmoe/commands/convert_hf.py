@@ -1,0 +1,154 @@
+"""Convert between Hugging Face checkpoints and Megatron dist checkpoints.
+
+    slmoe-convert-hf import --hf-checkpoint DIR --output OUT
+    torchrun --nproc-per-node 8 -m megatron_slmoe.commands.convert_hf import --hf-checkpoint DIR \\
+        --output OUT --expert-model-parallel-size 8   # each rank holds and reads only its shard
+
+``import`` builds the Megatron model ``DIR/config.json`` describes (Qwen3-MoE, DeepSeek-V3 /
+Kimi-K2, NemotronH attention+MoE, Stable Latent MoE), reads into each rank only the slices of its
+own TP/PP/EP shard (``megatron_slmoe.hf.loader``) and writes one Megatron dist checkpoint (any
+layout can load it: ``--base-checkpoint OUT``) with ``OUT/model_config.yaml``
+(``--model-config OUT/model_config.yaml``) and the tokenizer files. The parallel sizes only decide
+how the work and memory are split.
+
+Bad input (missing or truncated shard, an index naming a file that is not there, a config whose
+sizes disagree with the tensors, an unknown architecture, an existing non-empty output) is one
+line on stderr and exit code 2, before any process group forms where the checkpoint alone
+shows it; nothing is left at OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+_DTYPES = ("fp32", "bf16")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    imp = commands.add_parser("import", help="HF checkpoint -> Megatron dist checkpoint")
+    imp.add_argument("--hf-checkpoint", required=True,
+                     help="directory with config.json and *.safetensors (with or without index)")
+    imp.add_argument("--output", required=True, help="new (or empty) directory for the result")
+    imp.add_argument("--dtype", choices=_DTYPES, default="fp32",
+                     help="dtype of the saved weights (FP8 sources are dequantised to it)")
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    imp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    imp.add_argument("--expert-model-parallel-size", type=int, default=1)
+    imp.add_argument("--hf-shape-check", action=argparse.BooleanOptionalAction, default=True,
+                     help="check every tensor against config.json before starting (as the "
+                          "fine-tuning entry point's --hf-shape-check)")
+    return parser.parse_args(argv)
+
+
+class BadInput(Exception):
+    """One line for the user, exit code 2."""
+
+
+def _check_output(path: str) -> str:
+    path = os.path.abspath(path)
+    if os.path.lexists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise BadInput(f"--output {path} exists and is not an empty directory")
+    return path
+
+
+def _prepare(args):
+    """Everything that needs no process group: the checkpoint, its model, the layout."""
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.hf.errors import HFCheckpointError
+    from megatron_slmoe.hf.loader import open_hf_checkpoint
+
+    output = _check_output(args.output)
+    try:
+        hf = open_hf_checkpoint(args.hf_checkpoint, check_shapes=args.hf_shape_check)
+        tp = args.tensor_model_parallel_size
+        hf.model_config.transformer_config(
+            tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size)
+    except (HFCheckpointError, ConfigError) as err:
+        raise BadInput(str(err)) from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model_parallel = tp * args.pipeline_model_parallel_size
+    if world % model_parallel or (world // args.pipeline_model_parallel_size) % \
+            args.expert_model_parallel_size:
+        raise BadInput(f"world size {world} does not fit TP {tp} x PP "
+                       f"{args.pipeline_model_parallel_size} with EP "
+                       f"{args.expert_model_parallel_size}")
+    return hf, output
+
+
+def _init_distributed(args) -> bool:
+    """Join (or form) the process group and Megatron's parallel state; True if we formed it."""
+    import torch
+
+    import megatron_slmoe
+    from megatron_slmoe.config.run import ParallelConfig
+    from megatron_slmoe.platform.single_rank import init_single_rank
+    from megatron_slmoe.training import model_setup
+
+    if torch.distributed.is_initialized():
+        return False
+    if "RANK" not in os.environ:  # plain `slmoe-convert-hf`: a group of one (checked in _prepare)
+        init_single_rank()
+        return True
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        distributed_timeout_minutes=60)
+    model_setup.init_distributed(parallel, 1234, megatron_slmoe.PLATFORM)
+    return True
+
+
+def run_import(args) -> str:
+    import torch
+
+    from megatron_slmoe.hf.convert import import_to_dist_checkpoint
+    from megatron_slmoe.hf.errors import HFCheckpointError
+
+    hf, output = _prepare(args)
+    formed = _init_distributed(args)
+    try:
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        return import_to_dist_checkpoint(hf, output, params_dtype=dtype)
+    except HFCheckpointError as err:
+        raise BadInput(str(err)) from None
+    finally:
+        if formed:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
+    warnings.simplefilter("ignore", FutureWarning)
+    try:
+        import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+
+        output = run_import(args)
+    except BadInput as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001
+        platform = sys.modules.get("megatron_slmoe.platform")
+        if platform is not None and isinstance(err, platform.PlatformError):
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        raise
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"imported {args.hf_checkpoint} -> {output} (--model-config "
+              f"{os.path.join(output, 'model_config.yaml')} --base-checkpoint {output})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

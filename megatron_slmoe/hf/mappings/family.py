@@ -1,0 +1,191 @@
+"""A model family: how a Hugging Face ``config.json`` becomes our ModelConfig, and the mapping
+table between the Megatron model built from it and the HF tensors.
+
+Each family module (``qwen3_moe``, ``deepseek_v3``, ``nemotron_h``, ``slmoe``) defines one
+:class:`Family`; ``megatron_slmoe.hf.mappings`` registers them by the ``architectures`` names of
+``config.json``. The rules shared by several families (GQA attention, dense and MoE MLPs, the
+embedding and output layer) are functions here, so a family states only what is its own.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any, Optional
+
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.hf.errors import HFCheckpointError
+from megatron_slmoe.hf.mappings.kinds import (
+    Direct,
+    GroupedQKV,
+    MappingTable,
+    PerExpert,
+    Rule,
+    Stack,
+)
+from megatron_slmoe.hf.mappings.layouts import Layouts
+# The one import of ModelConfig in hf/.
+from megatron_slmoe.model.config import ModelConfig
+from megatron_slmoe.model.validation import validate_moe_config
+
+# HF activation names -> our model files' activation_func names.
+HF_ACTIVATIONS = {"silu": "silu", "relu2": "squared_relu"}
+
+
+class ConfigReader:
+    """Typed reads of config.json; a missing or mistyped field is one error line naming it."""
+
+    def __init__(self, config: dict, path: str) -> None:
+        self.config, self.path = config, path
+
+    def fail(self, message: str) -> HFCheckpointError:
+        return HFCheckpointError(f"{self.path}: {message}")
+
+    # Names one field has had in config.json files (transformers 5 writes some anew).
+    ALIASES = {"num_experts": ("num_local_experts",), "n_routed_experts": ("num_local_experts",)}
+
+    def get(self, name: str, default: Any = None) -> Any:
+        for key in (name, *self.ALIASES.get(name, ())):
+            if self.config.get(key) is not None:
+                return self.config[key]
+        return default
+
+    def int(self, name: str, default: Optional[int] = None, minimum: int = 1) -> int:
+        value = self.get(name, default)
+        if value is None:
+            raise self.fail(f"{name} is missing")
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise self.fail(f"{name} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def number(self, name: str, default: Optional[float] = None) -> float:
+        value = self.get(name, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise self.fail(f"{name} must be a number, got {value!r}")
+        return float(value)
+
+    def bool(self, name: str, default: Optional[bool] = None) -> bool:
+        value = self.get(name, default)
+        if not isinstance(value, bool):
+            raise self.fail(f"{name} must be true or false, got {value!r}")
+        return value
+
+    def activation(self, name: str, default: str) -> str:
+        value = self.get(name, default)
+        if value not in HF_ACTIVATIONS:
+            raise self.fail(f"{name} {value!r} is not supported (supported: "
+                            f"{', '.join(HF_ACTIVATIONS)})")
+        return HF_ACTIVATIONS[value]
+
+    def require(self, condition: bool, message: str) -> None:
+        if not condition:
+            raise self.fail(message)
+
+    def rope(self) -> dict:
+        """The rotary settings, from transformers 5's ``rope_parameters`` or the older
+        ``rope_theta`` / ``rope_scaling`` fields."""
+        rope = dict(self.get("rope_scaling", {}) or {})
+        rope.update(self.get("rope_parameters", {}) or {})
+        rope.setdefault("rope_theta", self.get("rope_theta", 10000.0))
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        return rope
+
+
+class Family:
+    """Base class; a family module fills in the names and the three methods."""
+
+    name: str = ""
+    architectures: tuple[str, ...] = ()
+    layouts: Layouts = Layouts()
+
+    def transformer_fields(self, c: ConfigReader) -> tuple[dict, dict]:
+        """(TransformerConfig fields, GPTModel fields) of the model ``config.json`` describes."""
+        raise NotImplementedError
+
+    def table(self, model_config: ModelConfig) -> MappingTable:
+        """The mapping table of a model built from ``model_config``."""
+        raise NotImplementedError
+
+    def config_class(self):
+        """transformers' config class of the family."""
+        raise NotImplementedError
+
+    def hf_config(self, path: str):
+        """The transformers config of ``config.json`` (for the shape check on the meta device),
+        without its quantization settings: the weights are dequantised on read."""
+        config = self.config_class().from_json_file(path)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        return config
+
+    def model_config(self, config: dict, path: str) -> ModelConfig:
+        reader = ConfigReader(config, path)
+        transformer, gpt = self.transformer_fields(reader)
+        try:
+            validate_moe_config(transformer)
+        except ConfigError as err:
+            raise reader.fail(f"gives an invalid MoE model: {err}") from None
+        name = os.path.basename(os.path.dirname(os.path.abspath(path))) or self.name
+        return ModelConfig(name=name, source=path, transformer=types.MappingProxyType(transformer),
+                           **gpt)
+
+
+# --- rules shared by the families --------------------------------------------------------------
+
+
+def embedding_rules(embed: str, head: str, final_norm: str, tied: bool) -> list[Rule]:
+    rules = [Rule("embedding.word_embeddings.weight", Direct(embed)),
+             Rule("decoder.final_layernorm.weight", Direct(final_norm))]
+    # Tied: the last pipeline stage still holds an output weight, a copy of the embedding.
+    rules.append(Rule("output_layer.weight", Direct(embed if tied else head)))
+    return rules
+
+
+def layernorm_rules(input_norm: str, pre_mlp_norm: str) -> list[Rule]:
+    """A layer's two norms. Megatron's sharded state dict names them as TE fuses them where the
+    layer has a fused neighbour (``linear_qkv.layer_norm_weight``, dense
+    ``linear_fc1.layer_norm_weight``; TE and local checkpoints share the names) and by module
+    otherwise (MLA, MoE layers)."""
+    meg = "decoder.layers.{layer}"
+    return [Rule(f"{meg}.input_layernorm.weight", Direct(input_norm)),
+            Rule(f"{meg}.self_attention.linear_qkv.layer_norm_weight", Direct(input_norm)),
+            Rule(f"{meg}.pre_mlp_layernorm.weight", Direct(pre_mlp_norm)),
+            Rule(f"{meg}.mlp.linear_fc1.layer_norm_weight", Direct(pre_mlp_norm))]
+
+
+def gqa_attention_rules(attn: str, heads: int, groups: int, head_dim: int,
+                        qk_norm: Optional[tuple[str, str]]) -> list[Rule]:
+    """Megatron's self attention (linear_qkv, linear_proj, optional q/k layernorm) from HF's
+    q/k/v/o projections under the prefix ``attn`` (a template)."""
+    meg = "decoder.layers.{layer}.self_attention"
+    rules = [
+        Rule(f"{meg}.linear_qkv.weight", GroupedQKV(f"{attn}.q_proj.weight", f"{attn}.k_proj.weight",
+                                                    f"{attn}.v_proj.weight", heads, groups, head_dim)),
+        Rule(f"{meg}.linear_proj.weight", Direct(f"{attn}.o_proj.weight")),
+    ]
+    if qk_norm:
+        rules += [Rule(f"{meg}.q_layernorm.weight", Direct(f"{attn}.{qk_norm[0]}.weight")),
+                  Rule(f"{meg}.k_layernorm.weight", Direct(f"{attn}.{qk_norm[1]}.weight"))]
+    return rules
+
+
+def mlp_rules(meg: str, hf: str, gated: bool) -> list[Rule]:
+    """A Megatron MLP (``linear_fc1``, ``linear_fc2``) from HF's gate/up/down projections."""
+    fc1 = Stack(f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight") if gated else \
+        Direct(f"{hf}.up_proj.weight")
+    return [Rule(f"{meg}.linear_fc1.weight", fc1),
+            Rule(f"{meg}.linear_fc2.weight", Direct(f"{hf}.down_proj.weight"))]
+
+
+def expert_rules(meg: str, experts: str, gated: bool) -> list[Rule]:
+    """Our stacked experts (``fc1_weight`` ``[E, 2F or F, d]``, ``fc2_weight``) from HF's
+    per-expert projections ``{experts}.{expert}.gate_proj.weight`` ..."""
+    each = experts + ".{expert}"
+    fc1 = Stack(f"{each}.gate_proj.weight", f"{each}.up_proj.weight") if gated else \
+        Direct(f"{each}.up_proj.weight")
+    return [Rule(f"{meg}.experts.fc1_weight", PerExpert(fc1)),
+            Rule(f"{meg}.experts.fc2_weight", PerExpert(Direct(f"{each}.down_proj.weight")))]
+
+
+def layer_freq(moe_layers: list[bool]) -> list[int]:
+    return [1 if moe else 0 for moe in moe_layers]

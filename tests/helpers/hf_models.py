@@ -1,0 +1,247 @@
+"""Tiny random Hugging Face MoE models for the import tests, built with transformers' own config
+and model classes and saved with ``save_pretrained`` (nothing is downloaded).
+
+``save_family(name, directory, layout)`` writes one family's model and returns it (fp32, eval)
+for reference logits: ``layout="original"`` is what ``save_pretrained`` writes by default
+(per-expert keys, a family's historical prefix), ``"fused"`` transformers 5's in-memory layout
+(``save_original_format=False``: 3D expert tensors). Every weight is drawn at a scale where the
+routing and every block matter (norm weights around 1, biases non-zero).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from transformers.utils import logging as _transformers_logging
+
+_transformers_logging.disable_progress_bar()  # no "Writing model shards" bars in test output
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 32, 4, 2, 8
+EXPERTS, TOPK = 4, 2
+FAMILY_NAMES = ("qwen3_moe", "deepseek_v3", "nemotron_h", "stable_latent_moe")
+
+
+def _config(name: str, **overrides):
+    import transformers
+
+    if name == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**{**dict(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM, num_experts=EXPERTS, num_experts_per_tok=TOPK, norm_topk_prob=True,
+            mlp_only_layers=[0], max_position_embeddings=64, rope_theta=10000.0,
+            tie_word_embeddings=False), **overrides})
+    if name == "deepseek_v3":
+        return transformers.DeepseekV3Config(**{**dict(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+            n_routed_experts=EXPERTS, num_experts_per_tok=TOPK, n_shared_experts=1, n_group=2,
+            topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=16,
+            kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+            max_position_embeddings=64, tie_word_embeddings=False), **overrides})
+    if name == "nemotron_h":
+        return transformers.NemotronHConfig(**{**dict(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48,
+            layers_block_type=["full_attention", "moe", "full_attention", "mlp"],
+            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+            n_routed_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=24, moe_latent_size=16, n_group=2, topk_group=1,
+            routed_scaling_factor=1.5, max_position_embeddings=64), **overrides})
+    if name == "stable_latent_moe":
+        from megatron_slmoe.hf.slmoe_model import StableLatentMoeConfig
+
+        return StableLatentMoeConfig(**{**dict(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+            qk_layernorm=True, num_experts=EXPERTS, num_experts_per_tok=TOPK,
+            moe_intermediate_size=16, moe_latent_size=16, shared_expert_intermediate_size=24,
+            moe_layers=[0, 1], router_score_function="sigmoid", router_expert_bias=True,
+            router_num_groups=2, router_group_topk=1, router_topk_scaling_factor=2.0,
+            max_position_embeddings=64), **overrides})
+    raise ValueError(name)
+
+
+def build(name: str, seed: int = 0, **overrides):
+    """The HF model of family ``name`` with random weights (fp32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _config(name, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if not tensor.is_floating_point() or "inv_freq" in pname or "rotary" in pname:
+                continue
+            noise = torch.randn(tensor.shape, generator=gen)
+            if "norm" in pname:
+                tensor.copy_(1.0 + 0.2 * noise)
+            elif tensor.dim() == 1:  # score-correction bias
+                tensor.copy_(0.2 * noise)
+            else:
+                tensor.copy_(noise / math.sqrt(tensor.shape[-1]))
+    return model
+
+
+def save(model, directory: str, layout: str = "original") -> str:
+    model.save_pretrained(directory, save_original_format=(layout == "original"))
+    return directory
+
+
+def save_family(name: str, directory: str, layout: str = "original", **overrides):
+    model = build(name, **overrides)
+    save(model, directory, layout)
+    return model
+
+
+def tokens(batch: int = 2, seq: int = 8, seed: int = 7) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits.float()
+
+
+# --- a tokenizer with a chat template -----------------------------------------------------------
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def save_chatml_tokenizer(path, **config):
+    """A byte-level BPE ``tokenizer.json`` (about 300 tokens) and a ``tokenizer_config.json`` with
+    ChatML's special tokens and template (``config`` overrides its entries) in ``path``, as a
+    checkpoint directory holds them."""
+    import json
+
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(["Answer in digits. two one 2 1 nine 9 assistant user system"] * 5,
+                                trainer=trainer)
+    path.mkdir(exist_ok=True)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
+        **config}))
+    return path
+
+
+# --- block-scaled FP8 -----------------------------------------------------------------------------
+
+
+def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]):
+    """(fp8 values, fp32 scale_inv per block) with ``weight ~ values * scale_inv`` per block, and
+    the fp32 weight those represent (the reference), computed here independently of the importer."""
+    rows, cols = weight.shape
+    br, bc = block
+    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
+    scale = torch.empty(nr, nc)
+    values = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    dequant = torch.empty(rows, cols)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    for i in range(nr):
+        for j in range(nc):
+            tile = weight[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            s = tile.abs().max().clamp_min(1e-12) / fp8_max
+            q = (tile / s).to(torch.float8_e4m3fn)
+            scale[i, j] = s
+            values[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = q
+            dequant[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = q.float() * s
+    return values, scale, dequant
+
+
+def save_fp8(model, directory: str, block=(16, 16)) -> None:
+    """Save ``model`` as a block-scaled FP8 checkpoint (2-D projection weights in FP8 with their
+    ``_scale_inv``, as DeepSeek-V3 ships), and set the model's weights to the dequantised values:
+    its logits are then the fp32 reference of the same weights."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(directory)
+    path = os.path.join(directory, "model.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    out = {}
+    for key, tensor in stored.items():
+        if tensor.dim() == 2 and key.endswith("proj.weight") and "embed" not in key:
+            values, scale, dequant = quantize_block_fp8(tensor.float(), block)
+            out[key], out[key + "_scale_inv"] = values, scale
+            stored[key] = dequant
+        else:
+            out[key] = tensor
+    save_file(out, path, metadata={"format": "pt"})
+    # The reference model: the dequantised weights, loaded the way transformers loads them.
+    from transformers import AutoModelForCausalLM
+
+    reference_dir = directory + "-dequantized"
+    os.makedirs(reference_dir, exist_ok=True)
+    model.config.save_pretrained(reference_dir)
+    save_file(stored, os.path.join(reference_dir, "model.safetensors"), metadata={"format": "pt"})
+    import json
+
+    config_path = os.path.join(directory, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    return AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+# --- the imported Megatron model -----------------------------------------------------------------
+
+
+def megatron_logits(model, input_ids: torch.Tensor):
+    """Full-vocabulary logits ``[B, S, V]`` of this rank's Megatron model chunk, run through
+    Megatron's forward-only schedule (pipeline stages exchange activations as in training); the
+    vocabulary shards of tensor parallelism are gathered. None on all but the last stage."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq).expand(batch, seq)
+
+    def step(data_iterator, chunk):
+        output = chunk(next(data_iterator), position_ids, None)
+
+        def collect(output_tensor):
+            if parallel_state.get_tensor_model_parallel_world_size() > 1:
+                output_tensor = gather_from_tensor_model_parallel_region(output_tensor)
+            return output_tensor.sum() * 0.0, {"logits": output_tensor.detach().clone()}
+
+        return output, collect
+
+    model.eval()
+    with torch.no_grad():
+        results = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter([input_ids]), model=[model],
+            num_microbatches=1, seq_length=seq, micro_batch_size=batch, forward_only=True)
+    return results[0]["logits"].float() if parallel_state.is_pipeline_last_stage() else None
+
+
+def import_and_run(hf_dir: str, input_ids: torch.Tensor):
+    """Build this rank's Megatron model from ``hf_dir``, load it rank-locally, return its logits
+    (None on non-last pipeline stages) and the load report."""
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+
+    hf = open_hf_checkpoint(hf_dir, check_shapes=False)
+    model, _ = build_model_in_layout(hf.model_config)
+    report = load_hf_weights([model], hf_dir, hf)
+    return megatron_logits(model, input_ids), report
