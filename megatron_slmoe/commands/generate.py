@@ -156,7 +156,7 @@ def _build(args: argparse.Namespace, platform):
     model_setup.init_distributed(parallel, args.seed, platform)
     model, _ = model_setup.build_model(model_config, parallel, precision == "bf16", platform)
     try:
-        model_setup.load_base_weights(model, args.base_checkpoint)
+        model_setup.load_base_weights(model, ModelSection(base_checkpoint=args.base_checkpoint))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # noqa: BLE001  (torch's CheckpointException is a BaseException)

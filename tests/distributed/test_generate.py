@@ -91,10 +91,11 @@ def reference_case(directory: str, prompts):
 def layout_case(directory: str, prompts, parallel_sizes: dict, sampled: bool):
     from megatron_slmoe.lora.adapter import load_adapter, read_adapter_config
     from megatron_slmoe.lora.inject import inject_lora
+    from megatron_slmoe.config.run import ModelSection
     from megatron_slmoe.training.model_setup import load_base_weights
 
     model = _build(parallel_sizes)
-    load_base_weights(model, str(Path(directory) / "base"))
+    load_base_weights(model, ModelSection(base_checkpoint=str(Path(directory) / "base")))
     lora, _ = read_adapter_config(str(Path(directory) / "adapter"))
     inject_lora([model], lora)
     load_adapter([model], str(Path(directory) / "adapter"))
