@@ -229,8 +229,8 @@ setup(
         "npu": ["torch_npu", "mindspeed"],
         # Hugging Face interop (megatron_slmoe.hf): model families, import, the SL-MoE model class.
         # Tested with 5.24; the 5.x series holds experts as fused 3D tensors in memory.
-        "hf": ["transformers>=5.24,<6"],
-        "test": ["pytest", "pytest-timeout", "transformers>=5.24,<6"],
+        "hf": ["transformers>=5.24,<6", "peft==0.21.2"],
+        "test": ["pytest", "pytest-timeout", "transformers>=5.24,<6", "peft==0.21.2"],
     },
     entry_points={"console_scripts": [
         "slmoe-finetune = megatron_slmoe.training.finetune:main",

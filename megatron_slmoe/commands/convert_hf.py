@@ -1,6 +1,10 @@
-"""Convert between Hugging Face checkpoints and Megatron dist checkpoints.
+"""Convert between Hugging Face checkpoints and Megatron dist checkpoints / adapters.
 
     slmoe-convert-hf import --hf-checkpoint DIR --output OUT
+    slmoe-convert-hf export --adapter RUN/adapter --hf-checkpoint DIR --output PEFT_DIR \\
+        [--expert-layout per-expert|fused]
+    slmoe-convert-hf export --merged --adapter RUN/adapter --hf-checkpoint DIR --output HF_DIR
+    slmoe-convert-hf import-adapter --peft-adapter PEFT_DIR --hf-checkpoint DIR --output ADAPTER
     torchrun --nproc-per-node 8 -m megatron_slmoe.commands.convert_hf import --hf-checkpoint DIR \\
         --output OUT --expert-model-parallel-size 8   # each rank holds and reads only its shard
 
@@ -10,6 +14,9 @@ own TP/PP/EP shard (``megatron_slmoe.hf.loader``) and writes one Megatron dist c
 layout can load it: ``--base-checkpoint OUT``) with ``OUT/model_config.yaml``
 (``--model-config OUT/model_config.yaml``) and the tokenizer files. The parallel sizes only decide
 how the work and memory are split.
+
+``export`` needs no process group: the adapter file is the same whatever the run's layout, and
+it streams one tensor at a time (``megatron_slmoe.hf.peft_export``, ``hf.merged_export``).
 
 Bad input (missing or truncated shard, an index naming a file that is not there, a config whose
 sizes disagree with the tensors, an unknown architecture, an existing non-empty output) is one
@@ -43,6 +50,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     imp.add_argument("--hf-shape-check", action=argparse.BooleanOptionalAction, default=True,
                      help="check every tensor against config.json before starting (as the "
                           "fine-tuning entry point's --hf-shape-check)")
+    exp = commands.add_parser("export", help="megatron_slmoe adapter -> PEFT adapter or merged "
+                                             "HF checkpoint")
+    exp.add_argument("--adapter", help="adapter directory written by the fine-tune (--save); "
+                                       "without it --merged writes the base alone")
+    exp.add_argument("--hf-checkpoint", required=True,
+                     help="the HF checkpoint directory of the base model the run imported")
+    exp.add_argument("--output", required=True, help="new (or empty) directory for the result")
+    exp.add_argument("--merged", action="store_true",
+                     help="write the base with the adapter merged as a full HF checkpoint instead "
+                          "of a PEFT adapter")
+    exp.add_argument("--expert-layout", choices=("per-expert", "fused"), default="per-expert",
+                     help="PEFT adapter: routed experts as per-expert modules (vLLM) or as PEFT "
+                          "target_parameters on transformers 5's fused 3D expert tensors")
+    exp.add_argument("--base-model-name-or-path", default=None,
+                     help="base_model_name_or_path of adapter_config.json (default: "
+                          "--hf-checkpoint), e.g. the hub id serving stacks load")
+    exp.add_argument("--max-shard-size-mib", type=int, default=5120,
+                     help="merged checkpoint: MiB per safetensors shard")
+    imp_adapter = commands.add_parser("import-adapter", help="PEFT adapter -> megatron_slmoe "
+                                                             "adapter (for --adapter-init)")
+    imp_adapter.add_argument("--peft-adapter", required=True,
+                             help="PEFT LoRA adapter directory (adapter_config.json, "
+                                  "adapter_model.safetensors)")
+    imp_adapter.add_argument("--hf-checkpoint", required=True,
+                             help="the HF checkpoint directory of its base model")
+    imp_adapter.add_argument("--output", required=True, help="new (or empty) directory")
     return parser.parse_args(argv)
 
 
@@ -127,6 +160,39 @@ def run_import(args) -> str:
             torch.distributed.destroy_process_group()
 
 
+def run_export(args) -> str:
+    from megatron_slmoe.hf.errors import HFCheckpointError
+    from megatron_slmoe.hf.merged_export import export_merged
+    from megatron_slmoe.hf.peft_export import export_peft_adapter
+    from megatron_slmoe.lora.adapter import AdapterError
+
+    output = _check_output(args.output)
+    if args.adapter is None and not args.merged:
+        raise BadInput("export: --adapter is required (or --merged to write the base alone)")
+    if args.max_shard_size_mib < 1:
+        raise BadInput(f"--max-shard-size-mib must be >= 1, got {args.max_shard_size_mib}")
+    try:
+        if args.merged:
+            return export_merged(args.adapter, args.hf_checkpoint, output,
+                                 max_shard_bytes=args.max_shard_size_mib * 2**20)
+        return export_peft_adapter(args.adapter, args.hf_checkpoint, output,
+                                   layout=args.expert_layout,
+                                   base_model_name_or_path=args.base_model_name_or_path)
+    except (HFCheckpointError, AdapterError) as err:
+        raise BadInput(str(err)) from None
+
+
+def run_import_adapter(args) -> str:
+    from megatron_slmoe.hf.errors import HFCheckpointError
+    from megatron_slmoe.hf.peft_import import peft_to_adapter
+
+    output = _check_output(args.output)
+    try:
+        return peft_to_adapter(args.peft_adapter, args.hf_checkpoint, output)
+    except HFCheckpointError as err:
+        raise BadInput(str(err)) from None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
@@ -134,7 +200,8 @@ def main(argv=None) -> int:
     try:
         import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
 
-        output = run_import(args)
+        output = {"export": run_export, "import-adapter": run_import_adapter,
+                  "import": run_import}[args.command](args)
     except BadInput as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -144,7 +211,11 @@ def main(argv=None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         raise
-    if int(os.environ.get("RANK", "0")) == 0:
+    if args.command == "export":
+        print(f"exported {args.adapter or args.hf_checkpoint} -> {output}")
+    elif args.command == "import-adapter":
+        print(f"imported {args.peft_adapter} -> {output} (--adapter-init {output})")
+    elif int(os.environ.get("RANK", "0")) == 0:
         print(f"imported {args.hf_checkpoint} -> {output} (--model-config "
               f"{os.path.join(output, 'model_config.yaml')} --base-checkpoint {output})")
     return 0

@@ -47,7 +47,9 @@ class ModelSection(Section):
              "peak host memory is its shard, one source tensor and this window)")
     adapter_init: Optional[str] = setting(
         None, flag="--adapter-init",
-        help="start from this adapter directory instead of fresh LoRA weights")
+        help="start from this adapter directory instead of fresh LoRA weights: one a run saved, "
+             "or a PEFT adapter of the --hf-checkpoint base (its rank, alpha and targets are "
+             "taken)")
     finetune_mode: Literal["lora", "full"] = setting(
         "lora", flag="--finetune-mode",
         help="'lora' trains adapters on a frozen base; 'full' trains every weight (how the "
@@ -351,6 +353,14 @@ class OutputConfig(Section):
     plots: bool = setting(True, flag="--plots",
                           help="write PNG pictures of the run into <output dir>/plots at the end "
                                "(--no-plots: off; tools/plot_run.py makes them any time)")
+    export_hf: Optional[str] = setting(
+        None, flag="--export-hf",
+        help="with --hf-checkpoint: at the end also write the adapter here as a PEFT adapter of "
+             "the HF base (slmoe-convert-hf export; a new or empty directory)")
+    export_hf_layout: Literal["per-expert", "fused"] = setting(
+        "per-expert", flag="--export-hf-layout",
+        help="routed experts in the --export-hf adapter: per-expert modules (vLLM) or PEFT "
+             "target_parameters on transformers 5's fused 3D expert tensors")
 
     def validate(self) -> None:
         self.check_positive("keep_last")
@@ -402,6 +412,8 @@ def validate_run(run: RunConfig, world_size: int) -> None:
     if run.optimizer.lr_warmup_iters >= schedule.train_iters:
         raise ConfigError(f"--lr-warmup-iters {run.optimizer.lr_warmup_iters} must be below "
                           f"--train-iters {schedule.train_iters}")
+    if run.output.export_hf and not (run.model.hf_checkpoint and run.model.finetune_mode == "lora"):
+        raise ConfigError("--export-hf needs --hf-checkpoint and --finetune-mode lora")
     if run.output.save_base and run.model.finetune_mode != "full":
         raise ConfigError("--save-base needs --finetune-mode full")
     if run.moe.routing_kl_coeff > 0 and run.model.finetune_mode != "lora":

@@ -12,6 +12,8 @@ The fine-tuning entry point does the same with ``--hf-checkpoint DIR`` (the run 
 Modules: ``checkpoint`` (the directory: index, shards, slices, block FP8), ``mappings`` (one
 module per family, the mapping kinds and expert layouts they share), ``loader`` (import into a
 built model), ``convert`` (build + import + Megatron dist checkpoint; ``slmoe-convert-hf``),
+``peft_export`` / ``merged_export`` / ``megatron_export`` (adapters and weights out: PEFT adapters,
+merged HF checkpoints, a Megatron model's weights), ``peft_import`` (PEFT adapters in),
 ``slmoe_model`` (``StableLatentMoeForCausalLM``; importing it registers it with transformers'
 Auto classes). Errors are one :class:`HFCheckpointError` line naming the file and the tensor.
 """

@@ -143,7 +143,37 @@ class Trainer:
         run = run.replace("output", output_dir=output_dir[0])
         if run.model.hf_checkpoint and not run.data.tokenizer:
             run = run.replace("data", tokenizer=run.model.hf_checkpoint)
+        run = self._adapter_from_peft(run)
         return run.replace("model", precision=resolve_precision(run.model, self.platform))
+
+    def _adapter_from_peft(self, run):
+        """--adapter-init with a PEFT adapter of the --hf-checkpoint base: rank 0 converts it into
+        ``<output dir>/adapter-init`` (megatron_slmoe.hf.peft_import) and the run takes that
+        adapter and its LoRA settings (rank, alpha, targets; recorded in config.yaml)."""
+        from megatron_slmoe.hf.peft_import import is_peft_adapter, peft_to_adapter
+        from megatron_slmoe.lora.adapter import read_adapter_config
+
+        source = run.model.adapter_init
+        if not source or not is_peft_adapter(source):
+            return run
+        converted, error = os.path.join(run.output.output_dir, "adapter-init"), None
+        if torch.distributed.get_rank() == 0:
+            try:
+                if os.path.isdir(converted):  # a rerun converts afresh
+                    import shutil
+
+                    shutil.rmtree(converted)
+                peft_to_adapter(source, run.model.hf_checkpoint, converted,
+                                dropout=run.lora.dropout)
+            except (OSError, ValueError) as err:
+                error = f"--adapter-init {source}: {err}"
+        status = [error]
+        torch.distributed.broadcast_object_list(status, src=0)
+        if status[0]:
+            raise RuntimeError(status[0])
+        lora, _ = read_adapter_config(converted)
+        run = run.replace("lora", rank=lora.rank, alpha=lora.alpha, targets=list(lora.targets))
+        return run.replace("model", adapter_init=converted)
 
     def _inject_lora(self, model) -> None:
         from megatron_slmoe.lora.adapter import load_adapter
@@ -305,6 +335,24 @@ class Trainer:
                     output.keep_last)
         return self._finish(eval_before, eval_loss, iteration, accuracy_before, accuracy)
 
+    def _export_hf(self, adapter_dir: str) -> None:
+        """--export-hf: rank 0 writes the saved adapter as a PEFT adapter of the HF base (no
+        collective inside: the adapter file is layout independent); every rank raises its error."""
+        from megatron_slmoe.hf.peft_export import export_peft_adapter
+
+        output, error = self.run_config.output, None
+        if self.rank == 0:
+            try:
+                export_peft_adapter(adapter_dir, self.run_config.model.hf_checkpoint,
+                                    output.export_hf, layout=output.export_hf_layout)
+                self._info(f"[finetune] PEFT adapter: {output.export_hf}")
+            except (OSError, ValueError) as err:
+                error = f"--export-hf {output.export_hf}: {err}"
+        status = [error]
+        torch.distributed.broadcast_object_list(status, src=0)
+        if status[0]:
+            raise RuntimeError(status[0])
+
     def _finish(self, eval_before: float, eval_after: float, iteration: int,
                 accuracy_before: Optional[float], accuracy_after: Optional[float]) -> int:
         adapter_dir = None
@@ -316,6 +364,8 @@ class Trainer:
                          {"model_config": self.model_config.name,
                           "base_checkpoint": self.run_config.model.base_checkpoint,
                           "hf_checkpoint": self.run_config.model.hf_checkpoint})
+        if self.run_config.output.export_hf:
+            self._export_hf(adapter_dir)
         if self.run_config.output.save_base:
             from megatron_slmoe.training.checkpointing import save_base_checkpoint
 

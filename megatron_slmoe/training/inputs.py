@@ -41,6 +41,16 @@ def _check_paths(run: RunConfig) -> None:
             raise ConfigError(f"{flag} {path}: no such file or directory")
     if model.hf_checkpoint and not os.path.isdir(model.hf_checkpoint):
         raise ConfigError(f"--hf-checkpoint {model.hf_checkpoint}: no such directory")
+    export = run.output.export_hf
+    if export and os.path.lexists(export) and (not os.path.isdir(export) or os.listdir(export)):
+        raise ConfigError(f"--export-hf {export} exists and is not an empty directory (the "
+                          f"adapter is written there at the end of the run)")
+    if model.adapter_init and not model.hf_checkpoint:
+        from megatron_slmoe.hf.peft_import import is_peft_adapter
+
+        if is_peft_adapter(model.adapter_init):
+            raise ConfigError(f"--adapter-init {model.adapter_init} is a PEFT adapter; it needs "
+                              f"--hf-checkpoint (the HF base it was trained on)")
     if data.format == "instruction":
         for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
             if path and not os.path.isfile(path):

@@ -245,3 +245,43 @@ def import_and_run(hf_dir: str, input_ids: torch.Tensor):
     model, _ = build_model_in_layout(hf.model_config)
     report = load_hf_weights([model], hf_dir, hf)
     return megatron_logits(model, input_ids), report
+
+
+# --- LoRA on the imported model ------------------------------------------------------------------
+
+
+def import_with_lora(hf_dir: str, targets, rank: int = 4, alpha: float = 8.0, seed: int = 0):
+    """(model, LoRAConfig): this rank's imported Megatron model with LoRA on ``targets``, every
+    LoRA factor drawn at random (B too, so the adapter changes the logits), as after training."""
+    from megatron_slmoe.config.run import LoRAConfig
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+    from megatron_slmoe.lora.inject import inject_lora
+
+    hf = open_hf_checkpoint(hf_dir, check_shapes=False)
+    model, _ = build_model_in_layout(hf.model_config)
+    load_hf_weights([model], hf_dir, hf)
+    lora_config = LoRAConfig(rank=rank, alpha=alpha, targets=list(targets))
+    inject_lora([model], lora_config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if getattr(param, "is_lora", False):
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    return model, lora_config
+
+
+def assert_same_tensors(expected_dir, actual_dir):
+    """Every tensor of the safetensors files of two HF checkpoint directories, bitwise."""
+    from safetensors import safe_open
+
+    read = {}
+    for name, directory in (("expected", expected_dir), ("actual", actual_dir)):
+        read[name] = {}
+        for file in sorted(os.listdir(directory)):
+            if file.endswith(".safetensors"):
+                with safe_open(os.path.join(directory, file), "pt") as f:
+                    read[name].update({k: f.get_tensor(k) for k in f.keys()})
+    assert read["actual"].keys() == read["expected"].keys()
+    for key, tensor in read["expected"].items():
+        assert torch.equal(read["actual"][key], tensor), key

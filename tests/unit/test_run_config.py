@@ -40,7 +40,8 @@ NON_DEFAULT = {
                 "dominant_fraction": 0.6, "warmup_steps": 3, "min_routed_tokens": 64,
                 "action": "stop", "jsonl_path": "routing.jsonl", "drift_interval": 4},
     "output": {"output_dir": "out", "tensorboard": False, "keep_last": 3, "resume": False,
-               "save_base": None, "plots": False},
+               "save_base": None, "plots": False, "export_hf": None,
+               "export_hf_layout": "fused"},
 }
 # save_base needs --finetune-mode full, which excludes --adapter-init; hf_checkpoint excludes
 # --model-config and --base-checkpoint: each checked on its own below.
@@ -69,7 +70,8 @@ def test_the_table_covers_every_field_with_a_non_default_value():
     for section, cls in RunConfig.sections().items():
         for f in settings(cls):
             assert f.name in NON_DEFAULT[section], f"add {section}.{f.name} to NON_DEFAULT"
-            if f.name not in ("save_base", "finetune_mode", "hf_checkpoint"):  # see below
+            if f.name not in ("save_base", "finetune_mode", "hf_checkpoint",
+                              "export_hf"):  # see below
                 assert NON_DEFAULT[section][f.name] != defaults[section][f.name], (section, f.name)
 
 
@@ -89,6 +91,14 @@ def test_save_base_is_reachable_too():
     run = parse_command_line(["--finetune-mode", "full", "--save-base", "b"], prog="t",
                              description="", world_size=1).run
     assert (run.output.save_base, run.model.finetune_mode) == ("b", "full")
+
+
+def test_export_hf_is_reachable_too():
+    run = parse_command_line(["--hf-checkpoint", "hf/", "--export-hf", "peft/"], prog="t",
+                             description="", world_size=1).run
+    assert run.output.export_hf == "peft/"
+    with pytest.raises(ConfigError, match="--export-hf needs --hf-checkpoint"):
+        parse_command_line(["--export-hf", "peft/"], prog="t", description="", world_size=1)
 
 
 def test_hf_checkpoint_is_reachable_too():

@@ -1,0 +1,288 @@
+"""Export a megatron_slmoe adapter as a PEFT LoRA adapter of the Hugging Face base model.
+
+Input: an adapter directory as ``save_adapter`` writes it (globally named, unsharded: the same
+file whatever the parallel layout of the run) and the HF checkpoint directory of the base model.
+Output: ``adapter_config.json`` (a PEFT ``LoraConfig``) and ``adapter_model.safetensors`` with
+PEFT's key names (``base_model.model.<HF module>.lora_A.weight``), written one tensor at a time
+(``safetensors_stream``) into a staging directory renamed into place.
+
+Two expert layouts (``--expert-layout``):
+
+* ``per-expert``: every routed expert's projections as modules
+  (``model.layers.1.mlp.experts.5.gate_proj``), as checkpoints store them; what vLLM loads, and
+  what PEFT loads on transformers 5 by converting it to the fused form (where no dense MLP or
+  shared expert is adapted: PEFT's conversion takes every ``gate_proj``/``up_proj``/``down_proj``
+  target for an expert projection);
+* ``fused``: PEFT's ``target_parameters`` on transformers 5's 3D expert tensors
+  (``mlp.experts.gate_up_proj`` [E, 2F, d]): A [E*r, in] expert-major, B [out, r*E] rank-major,
+  as ``peft.tuners.lora.ParamWrapper`` reads them. The other MLP weights (dense, shared experts,
+  router) are ``target_parameters`` too, so PEFT's conversion leaves them alone; attention
+  projections stay modules.
+
+The mapping is ``mappings.lora`` over the family's weight table (one place for both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_slmoe.hf.errors import HFCheckpointError
+from megatron_slmoe.hf.loader import HFModel, open_hf_checkpoint
+from megatron_slmoe.hf.mappings.lora import HFLoRA, hf_loras, megatron_lora_modules
+from megatron_slmoe.hf.safetensors_stream import (
+    DTYPE_NAMES,
+    PlannedTensor,
+    WindowedReader,
+    write_streamed,
+)
+
+LAYOUTS = ("per-expert", "fused")
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+PEFT_KEY_PREFIX = "base_model.model."
+"""What PEFT puts before a module path in adapter_model.safetensors."""
+
+
+@dataclass(frozen=True)
+class PeftTarget:
+    """One adapted HF module (``parameter`` None) or parameter, and the HF LoRAs it is made of
+    (one per expert for a fused 3D parameter, in expert order; each expert's parts in order)."""
+
+    module: str
+    parameter: Optional[str]
+    loras: tuple[tuple[HFLoRA, ...], ...]
+    experts: int
+    key_module: str = ""
+    """The module path of its PEFT keys (nested ParamWrappers add ``.base_layer``)."""
+
+
+def hf_meta_model(hf: HFModel):
+    """transformers' model of the base config on the meta device (names, module types)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf.family.hf_config(hf.checkpoint.config_path))
+
+
+def _in_memory(hf: HFModel, canonical: str, params: dict) -> str:
+    """The name transformers gives a canonical (on-disk) weight name in memory."""
+    if canonical in params:
+        return canonical
+    for rename in hf.family.layouts.renames:
+        if canonical.startswith(rename.canonical):
+            stored = rename.stored + canonical[len(rename.canonical):]
+            if stored in params:
+                return stored
+    return canonical
+
+
+def check_shapes(loras: list[HFLoRA], hf: HFModel, meta) -> None:
+    """Every HF LoRA's weight exists in the base model with the LoRA's [out, in] (an adapter
+    trained on another base is refused here, in one line)."""
+    shapes = {}
+    for name, tensor in meta.state_dict(keep_vars=True).items():
+        shapes.update(hf.family.layouts.canonical(name, tuple(tensor.shape)))
+    for lora in loras:
+        want = shapes.get(lora.hf_weight)
+        if want != (lora.out_features, lora.in_features):
+            raise HFCheckpointError(
+                f"LoRA on Megatron {lora.megatron} gives {lora.hf_weight} "
+                f"[{lora.out_features}, {lora.in_features}], but {hf.checkpoint.config_path} "
+                f"describes " + (f"{list(want)}" if want else "no such weight")
+                + " (an adapter for another base model?)")
+
+
+def plan_targets(loras: list[HFLoRA], hf: HFModel, meta, layout: str) -> list[PeftTarget]:
+    """Group the HF LoRAs (shapes checked) into PEFT targets of ``layout``."""
+    params = dict(meta.named_parameters())
+    modules = dict(meta.named_modules())
+    targets: list[PeftTarget] = []
+    fused: dict[str, dict[int, list]] = {}
+    for lora in loras:
+        if lora.expert is not None and layout == "fused":
+            found = None
+            for rule in hf.family.layouts.fused:
+                found = rule.to_fused(lora.hf_weight) or rule.to_fused(_renamed(hf, lora.hf_weight))
+                if found:
+                    break
+            if found is None or found[0] not in params:
+                raise HFCheckpointError(f"LoRA on Megatron {lora.megatron}: {lora.hf_weight} has "
+                                        f"no fused 3D tensor in {type(meta).__name__}")
+            fused.setdefault(found[0], {}).setdefault(found[1], []).append((found[2], lora))
+            continue
+        if lora.expert is not None:  # per-expert: checkpoint names, one module per expert
+            targets.append(PeftTarget(lora.hf_weight[:-len(".weight")], None, ((lora,),), 1))
+            continue
+        name = _in_memory(hf, lora.hf_weight, params)
+        module = name.rpartition(".")[0]
+        if name not in params:
+            raise HFCheckpointError(f"LoRA on Megatron {lora.megatron}: {type(meta).__name__} has "
+                                    f"no weight {lora.hf_weight}")
+        is_linear = isinstance(modules.get(module), torch.nn.Linear)
+        if layout == "fused" and (not is_linear or ".mlp." in name):
+            targets.append(PeftTarget(module, name.rpartition(".")[2], ((lora,),), 1))
+        else:
+            targets.append(PeftTarget(module, None, ((lora,),), 1))
+    for name, experts in fused.items():
+        count = params[name].shape[0]
+        if sorted(experts) != list(range(count)):
+            raise HFCheckpointError(f"{name}: the adapter has LoRA on experts "
+                                    f"{sorted(experts)} of {count}; a fused tensor needs all")
+        per_expert = []
+        for e in range(count):
+            parts = [lora for _, lora in sorted(experts[e], key=lambda p: p[0])]
+            if len({p.megatron for p in parts}) != 1:
+                raise HFCheckpointError(f"{name}: expert {e}'s parts come from different LoRA "
+                                        f"modules; they cannot share one fused LoRA")
+            per_expert.append(tuple(parts))
+        module, _, parameter = name.rpartition(".")
+        if getattr(modules[module], "is_transposed", False):
+            raise HFCheckpointError(f"{name}: transposed expert tensors are not supported")
+        targets.append(PeftTarget(module, parameter, tuple(per_expert), count))
+    return _nest(targets, modules)
+
+
+def _renamed(hf: HFModel, name: str) -> str:
+    for rename in hf.family.layouts.renames:
+        if name.startswith(rename.canonical):
+            return rename.stored + name[len(rename.canonical):]
+    return name
+
+
+def _nest(targets: list[PeftTarget], modules: dict) -> list[PeftTarget]:
+    """PEFT wraps the targeted parameters of one module in nested ParamWrappers, the first
+    registered innermost: its keys run through one ``.base_layer`` per parameter outside it."""
+    by_module: dict[str, list[str]] = {}
+    for t in targets:
+        if t.parameter is not None:
+            by_module.setdefault(t.module, []).append(t.parameter)
+    out = []
+    for t in targets:
+        key_module = t.module
+        if t.parameter is not None:
+            order = [n for n, _ in modules[t.module].named_parameters(recurse=False)
+                     if n in by_module[t.module]]
+            key_module += ".base_layer" * (len(order) - 1 - order.index(t.parameter))
+        out.append(PeftTarget(t.module, t.parameter, t.loras, t.experts, key_module))
+    return out
+
+
+def _target_modules(targets: list[PeftTarget], meta, hf: HFModel) -> list[str]:
+    """Leaf names when they select exactly the adapted modules, else full names."""
+    wanted = {t.module for t in targets if t.parameter is None}
+    if not wanted:
+        return []
+    known = {name for name, _ in meta.named_modules()}
+    for name, tensor in meta.state_dict(keep_vars=True).items():
+        for key, _ in hf.family.layouts.canonical(name, tuple(tensor.shape)):
+            known.add(key.rpartition(".")[0])
+    leaves = {m.rpartition(".")[2] for m in wanted}
+    if {m for m in known | wanted if m.rpartition(".")[2] in leaves} == wanted:
+        return sorted(leaves)
+    return sorted(wanted)
+
+
+def peft_config_dict(lora_config, targets: list[PeftTarget], meta, hf: HFModel,
+                     base_model_name_or_path: Optional[str]) -> dict:
+    """adapter_config.json as PEFT's own ``LoraConfig`` writes it."""
+    from peft import LoraConfig
+
+    parameters = sorted(f"{t.module}.{t.parameter}" for t in targets if t.parameter is not None)
+    config = LoraConfig(
+        r=lora_config.rank, lora_alpha=lora_config.alpha,
+        target_modules=_target_modules(targets, meta, hf) or None,
+        target_parameters=parameters or None,
+        # PEFT's parameter LoRA has no dropout; inference ignores dropout anyway.
+        lora_dropout=0.0 if parameters else lora_config.dropout,
+        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
+        inference_mode=True)
+    document = config.to_dict()
+    for key, value in list(document.items()):
+        if isinstance(value, set):
+            document[key] = sorted(value)
+    return json.loads(json.dumps(document, default=str))
+
+
+def planned_tensors(targets: list[PeftTarget], source, rank: int) -> list[PlannedTensor]:
+    """Every PEFT tensor, produced from the adapter file ``source`` (a WindowedReader)."""
+
+    def read(name: str) -> torch.Tensor:
+        return source.get_tensor(name)
+
+    def lora_b(lora: HFLoRA) -> torch.Tensor:
+        b = read(f"{lora.megatron}.lora_B.weight")
+        out = torch.empty(lora.out_features, b.shape[1], dtype=b.dtype)
+        for row in lora.rows:
+            out[row.hf[0]:row.hf[1]] = b[row.megatron[0]:row.megatron[1]]
+        return out
+
+    dtype = _source_dtype(source)
+    tensors = []
+    for t in targets:
+        key = f"{PEFT_KEY_PREFIX}{t.key_module}"
+        first = t.loras[0][0]
+        out = sum(p.out_features for p in t.loras[0])
+        if t.experts == 1 and (t.parameter is None or len(t.loras[0]) == 1):
+            (lora,) = t.loras[0]
+            tensors += [
+                PlannedTensor(f"{key}.lora_A.weight", dtype, (rank, first.in_features),
+                              lambda lora=lora: read(f"{lora.megatron}.lora_A.weight")),
+                PlannedTensor(f"{key}.lora_B.weight", dtype, (out, rank),
+                              lambda lora=lora: lora_b(lora))]
+            continue
+        # A fused 3D parameter: A [E*r, in] expert-major, B [out, r*E] rank-major (PEFT's reshape).
+        tensors += [
+            PlannedTensor(f"{key}.lora_A.weight", dtype, (t.experts * rank, first.in_features),
+                          lambda t=t: torch.cat([read(f"{parts[0].megatron}.lora_A.weight")
+                                                 for parts in t.loras])),
+            PlannedTensor(f"{key}.lora_B.weight", dtype, (out, rank * t.experts),
+                          lambda t=t, out=out: torch.stack(
+                              [torch.cat([lora_b(p) for p in parts]) for parts in t.loras],
+                              dim=-1).reshape(out, -1))]
+    return tensors
+
+
+def _source_dtype(source) -> torch.dtype:
+    names = {v: k for k, v in DTYPE_NAMES.items()}
+    return names[source.get_slice(next(iter(source.keys()))).get_dtype()]
+
+
+def export_peft_adapter(adapter_dir: str, hf_dir, output: str, layout: str = "per-expert",
+                        base_model_name_or_path: Optional[str] = None) -> str:
+    """Write the PEFT adapter of ``adapter_dir`` for the HF base ``hf_dir`` into the new (or
+    empty) directory ``output``; returns its absolute path. Bad input is one
+    HFCheckpointError / AdapterError line and leaves nothing at ``output``."""
+    from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, read_adapter_config
+    from megatron_slmoe.utils.atomic import atomic_directory, write_json_atomic
+
+    if layout not in LAYOUTS:
+        raise HFCheckpointError(f"expert layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    lora_config, _ = read_adapter_config(adapter_dir)
+    hf = hf_dir if isinstance(hf_dir, HFModel) else open_hf_checkpoint(hf_dir, check_shapes=False)
+    table = hf.family.table(hf.model_config)
+    meta = hf_meta_model(hf)
+    weights = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
+    output = os.path.abspath(output)
+    with WindowedReader(weights) as source:
+        shapes = {name: tuple(source.get_slice(name).get_shape()) for name in source.keys()}
+        loras = []
+        for module in megatron_lora_modules(shapes):
+            a, b = shapes.get(f"{module}.lora_A.weight"), shapes.get(f"{module}.lora_B.weight")
+            if a is None or b is None:
+                raise HFCheckpointError(f"{weights}: {module} has only one LoRA factor")
+            loras += hf_loras(table, module, b[0], a[1], hf.family.name)
+        check_shapes(loras, hf, meta)
+        targets = plan_targets(loras, hf, meta, layout)
+        config = peft_config_dict(lora_config, targets, meta, hf,
+                                  base_model_name_or_path or hf.checkpoint.directory)
+        planned = planned_tensors(targets, source, lora_config.rank)
+        with atomic_directory(output) as staging:
+            write_streamed(os.path.join(staging, PEFT_WEIGHTS), planned,
+                           metadata={"format": "pt"})
+            write_json_atomic(os.path.join(staging, PEFT_CONFIG), config)
+    return output
