@@ -7,6 +7,7 @@
 - base weights stay bitwise unchanged and only LoRA parameters get gradients and optimizer state.
 """
 
+import json
 import os
 import signal
 import time
