@@ -245,6 +245,9 @@ setup(
     entry_points={"console_scripts": [
         "slmoe-finetune = megatron_slmoe.training.finetune:main",
         "slmoe-merge-lora = megatron_slmoe.commands.merge_lora:main",
+        "slmoe-generate = megatron_slmoe.commands.generate:main",
+        "slmoe-plot-run = megatron_slmoe.commands.plot_run:main",
+        "slmoe-rank-sweep = megatron_slmoe.commands.rank_sweep:main",
         "slmoe-convert-hf = megatron_slmoe.commands.convert_hf:main",
         "slmoe-count-params = megatron_slmoe.commands.count_params:main",
         "slmoe-preprocess-data = megatron_slmoe.commands.preprocess_data:main",

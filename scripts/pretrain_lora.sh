@@ -47,7 +47,8 @@
 #   unset ones leave the entry point's default, shown in brackets. With no flags at all the demo
 #   runs, on these settings plus its own.
 # Demo only: SLMOE_DEMO_DIR (default runs/demo, runs/demo-image-text for the multimodal demo),
-#   SLMOE_DEMO_BASE_ITERS (300; 600 multimodal), SLMOE_DEMO_LORA_ITERS (200) — smaller values
+#   SLMOE_DEMO_BASE_ITERS (300; 600 multimodal), SLMOE_DEMO_LORA_ITERS (300; 200
+#   multimodal) — smaller values
 #   make a quicker check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -284,7 +285,7 @@ fi
 # --- the built-in demo ---------------------------------------------------------------------------
 demo=${SLMOE_DEMO_DIR:-runs/demo}
 base_iters=${SLMOE_DEMO_BASE_ITERS:-300}
-lora_iters=${SLMOE_DEMO_LORA_ITERS:-200}
+lora_iters=${SLMOE_DEMO_LORA_ITERS:-300}
 if [ ! -f "$demo/base/metadata.json" ]; then
     echo "[demo] pretraining the tiny base model on the shipped corpus -> $demo/base"
     finetune --finetune-mode full --data-format pretrain --train-iters "$base_iters" \
@@ -295,7 +296,10 @@ else
 fi
 run="$demo/lora-$(date +%Y%m%d-%H%M%S)"
 echo "[demo] LoRA fine-tuning on the shipped task -> $run"
-finetune --base-checkpoint "$demo/base" --train-iters "$lora_iters" --lr 2e-3 \
-    --lr-warmup-iters 10 \
-    --lora-rank 8 --lora-alpha 16 --eval-interval 50 --save-interval 100 --output-dir "$run"
-[ "$DRY_RUN" = 1 ] || echo "[demo] done: $run/summary.json, adapter in $run/adapter"
+# Rank 16 on attention, the dense and expert MLPs and the shared expert; the routing held near the
+# base model's (README: Routing stability under LoRA); held-out accuracy at steps 100, 200, 300.
+finetune --base-checkpoint "$demo/base" --train-iters "$lora_iters" --lr 5e-3 \
+    --lr-warmup-iters 10 --lora-rank 16 --lora-alpha 32 \
+    --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2 shared_experts \
+    --moe-routing-kl-coeff 1.0 --eval-interval 100 --save-interval 100 --output-dir "$run"
+[ "$DRY_RUN" = 1 ] || echo "[demo] done: $run/summary.json, adapter in $run/adapter, pictures in $run/plots"

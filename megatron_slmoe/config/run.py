@@ -140,6 +140,15 @@ class MoERunConfig(Section):
         None, flag="--moe-overlap-chunks",
         help="overlap the all-to-all (flat or hierarchical) with expert compute over this many "
              "token chunks, forward and backward (default: the model config's, 1 = no overlap)")
+    routed_balance_coeff: float = setting(
+        0.1, flag="--moe-routed-balance-coeff",
+        help="with --finetune-mode lora: load-balancing loss on the routing actually used "
+             "(frozen expert bias included), acting through the adapters before each router "
+             "(0: off; see megatron_slmoe.moe.stability)")
+    routing_kl_coeff: float = setting(
+        0.0, flag="--moe-routing-kl-coeff",
+        help="routing preservation with --finetune-mode lora: KL(base routing || routing) per "
+             "token, the base routing from one more forward pass per step (0: off)")
 
     def validate(self) -> None:
         from megatron_slmoe.moe.dispatch import DISPATCHERS
@@ -148,6 +157,7 @@ class MoERunConfig(Section):
             self.fail("token_dispatcher_type", f"must be one of {', '.join(sorted(DISPATCHERS))}, "
                                                f"got {self.token_dispatcher_type!r}")
         self.check_positive("node_size", "overlap_chunks")
+        self.check_non_negative("routed_balance_coeff", "routing_kl_coeff")
 
 
 @dataclass(frozen=True)
@@ -405,6 +415,10 @@ class ScheduleConfig(Section):
                                  help="held-out evaluation every this many steps")
     eval_iters: int = setting(4, flag="--eval-iters",
                               help="global batches of held-out data per evaluation")
+    eval_accuracy_samples: int = setting(
+        200, flag="--eval-accuracy-samples",
+        help="at each evaluation, this many held-out conversations are answered by greedy "
+             "generation and scored by exact match (instruction data; 0: off)")
     log_interval: int = setting(10, flag="--log-interval", help="progress line every N steps")
     save_interval: int = setting(50, flag="--save-interval", help="checkpoint every N steps")
     seed: int = setting(1234, flag="--seed", help="seed of initialisation, data order, dropout")
@@ -412,6 +426,7 @@ class ScheduleConfig(Section):
     def validate(self) -> None:
         self.check_positive("micro_batch_size", "global_batch_size", "train_iters",
                             "eval_interval", "eval_iters", "log_interval", "save_interval")
+        self.check_non_negative("eval_accuracy_samples")
 
     @property
     def train_samples(self) -> int:
@@ -430,18 +445,33 @@ class MonitorConfig(Section):
         0.1, flag="--moe-starved-fraction",
         help="an expert starves below this fraction of the fair share 1/E")
     starved_patience: int = setting(
-        20, flag="--moe-starved-patience", help="steps in a row of starving before a warning")
+        20, flag="--moe-starved-patience",
+        help="checks in a row of starving before a warning (one check per step once steps "
+             "route --moe-monitor-min-tokens tokens)")
     dominant_fraction: float = setting(
         0.5, flag="--moe-dominant-fraction",
         help="an expert dominates above this share of a step's assignments (1.0: off)")
+    warmup_steps: int = setting(
+        10, flag="--moe-monitor-warmup",
+        help="steps before the collapse detectors judge (routing that is still settling, e.g. "
+             "from a random initialisation, is not a collapse)")
+    min_routed_tokens: int = setting(
+        1024, flag="--moe-monitor-min-tokens",
+        help="a check judges the steps since the previous one once they routed at least this "
+             "many tokens (small steps are pooled, so no share is judged on a handful of tokens)")
     action: Literal["warn", "stop"] = setting(
         "warn", flag="--collapse-action", help="on routing collapse: warn, or stop the run")
     jsonl_path: Optional[str] = setting(
         None, flag="--moe-routing-jsonl",
         help="also append every step's routing record (all layers, all fields) to this file")
+    drift_interval: int = setting(
+        10, flag="--moe-drift-interval",
+        help="with --finetune-mode lora: every N steps, each layer's routing drift from the base "
+             "model's on a fixed held-out probe batch (KL, top-k overlap, load change; 0: off)")
 
     def validate(self) -> None:
         self.check_positive("window", "starved_patience")
+        self.check_non_negative("warmup_steps", "min_routed_tokens", "drift_interval")
         self.check(0.0 <= self.starved_fraction < 1.0, "starved_fraction",
                    f"must be in [0, 1), got {self.starved_fraction}")
         # > 1/E is checked when the monitor attaches to a model and E is known.
@@ -475,6 +505,9 @@ class OutputConfig(Section):
         None, flag="--save-base",
         help="with --finetune-mode full: also write the trained model here as a Megatron dist "
              "checkpoint (a base for LoRA runs)")
+    plots: bool = setting(True, flag="--plots",
+                          help="write PNG pictures of the run into <output dir>/plots at the end "
+                               "(--no-plots: off; tools/plot_run.py makes them any time)")
     export_hf: Optional[str] = setting(
         None, flag="--export-hf",
         help="with --hf-checkpoint: at the end also write the adapter here as a PEFT adapter of "
@@ -666,3 +699,6 @@ def validate_run(run: RunConfig, world_size: int) -> None:
         raise ConfigError(f"--train-data {run.data.train_data} needs --valid-data: without it the "
                           f"held-out loss would be measured on the shipped demo set, not on "
                           f"data like yours")
+    if run.moe.routing_kl_coeff > 0 and run.model.finetune_mode != "lora":
+        raise ConfigError("--moe-routing-kl-coeff needs --finetune-mode lora (it keeps routing "
+                          "near the frozen base model's)")

@@ -34,12 +34,18 @@ would lose its response. Each row gives one sample:
     tokens       row[:-1]                 int64 [seq_length]
     labels       row[1:]                  int64 [seq_length]  (the next token)
     loss_mask    1.0 where labels is a target token, else 0.0 (prompt, role tokens, padding)
-    position_ids 0 .. seq_length-1        int64, running across the whole row
+    segment_ids  0, 0, .., 1, 1, ..       int64 [seq_length]: which example of the row a token
+                                          belongs to (the padding tail is one more segment)
+    position_ids 0 .. len-1 per segment   int64 [seq_length]: positions restart with each example
 
-Position ids run across the packed row and the model uses one causal mask over the whole row
-(later examples can attend to earlier ones in the same row): the same convention as Megatron's
-``GPTDataset`` with ``reset_position_ids=False, reset_attention_mask=False``, so pretraining and
-fine-tuning samples look alike to the model.
+Packed examples are kept apart, as they would be at generation time, where each prompt stands
+alone: positions restart with every example, and the model attends only within an example
+(``packed_attention_mask``: causal and block-diagonal over the segments; Megatron-Core's local
+``DotProductAttention`` takes it as its attention mask). With rotary position embeddings the
+block-diagonal mask alone makes an example's output independent of where in the row it sits
+(rotary attention depends on relative positions only); learned absolute position embeddings read
+the restarted position ids. (Megatron's ``GPTDataset`` calls this ``reset_position_ids`` and
+``reset_attention_mask``; its pretraining samples keep one causal mask over the row.)
 
 Epochs: with ``num_samples`` larger than the number of packed rows, sample ``i`` is row
 ``perm_e[i % rows]`` of epoch ``e = i // rows``, each epoch with its own permutation drawn from
@@ -245,43 +251,73 @@ def split_for_generation(messages: Sequence[Message]) -> Tuple[List[Message], st
 
 
 def pack_examples(examples: Sequence[Tuple[List[int], List[int]]], seq_length: int, pad_id: int,
-                  stats: Optional[InstructionStats] = None) -> Tuple[np.ndarray, np.ndarray]:
+                  stats: Optional[InstructionStats] = None
+                  ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Greedy packing of (ids, targets) examples, in order, into rows of ``seq_length + 1``.
 
-    Returns (rows int64 [R, seq_length+1] padded with ``pad_id``, target flags uint8 same shape).
+    Returns (rows int64 [R, seq_length+1] padded with ``pad_id``, target flags uint8 same shape,
+    segment ids int64 same shape: the example's place in its row, the padding tail one more).
     Examples longer than ``seq_length + 1`` are skipped and counted in ``stats.too_long``.
     """
     if seq_length < 1:
         raise DataError(f"seq_length must be >= 1, got {seq_length}")
     stats = stats if stats is not None else InstructionStats()
     width = seq_length + 1
-    rows: List[List[int]] = []
+    rows: List[List[List[int]]] = []  # per row, its examples' ids
     flags: List[List[int]] = []
-    cur_ids: List[int] = []
+    cur_examples: List[List[int]] = []
     cur_flags: List[int] = []
+    cur_len = 0
     for ids, targets in examples:
         if len(ids) > width:
             stats.too_long += 1
             continue
-        if len(cur_ids) + len(ids) > width:
-            rows.append(cur_ids)
+        if cur_len + len(ids) > width:
+            rows.append(cur_examples)
             flags.append(cur_flags)
-            cur_ids, cur_flags = [], []
-        cur_ids.extend(ids)
+            cur_examples, cur_flags, cur_len = [], [], 0
+        cur_examples.append(list(ids))
         cur_flags.extend(targets)
+        cur_len += len(ids)
         stats.packed_examples += 1
-    if cur_ids:
-        rows.append(cur_ids)
+    if cur_examples:
+        rows.append(cur_examples)
         flags.append(cur_flags)
     out = np.full((len(rows), width), pad_id, dtype=np.int64)
     out_flags = np.zeros((len(rows), width), dtype=np.uint8)
-    for r, (ids, fl) in enumerate(zip(rows, flags)):
-        out[r, :len(ids)] = ids
+    out_segments = np.zeros((len(rows), width), dtype=np.int64)
+    for r, (row_examples, fl) in enumerate(zip(rows, flags)):
+        start = 0
+        for segment, ids in enumerate(row_examples):
+            out[r, start:start + len(ids)] = ids
+            out_segments[r, start:start + len(ids)] = segment
+            start += len(ids)
+        out_segments[r, start:] = len(row_examples)
         out_flags[r, :len(fl)] = fl
-        stats.pad_tokens += width - len(ids)
+        stats.pad_tokens += width - start
     stats.rows = len(rows)
     stats.target_tokens = int(out_flags[:, 1:].sum())
-    return out, out_flags
+    return out, out_flags, out_segments
+
+
+def positions_in_segments(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 where the segment id changes (along the last dim)."""
+    length = segment_ids.shape[-1]
+    index = torch.arange(length, device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - start_index
+
+
+def packed_attention_mask(segment_ids_BS: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed rows in Megatron's convention (bool [B, 1, S, S], True =
+    masked): a token sees the tokens before it (and itself) of its own segment only."""
+    length = segment_ids_BS.shape[-1]
+    causal_SS = torch.ones(length, length, dtype=torch.bool,
+                           device=segment_ids_BS.device).tril()
+    same_BSS = segment_ids_BS.unsqueeze(-1) == segment_ids_BS.unsqueeze(-2)
+    return ~(same_BSS & causal_SS).unsqueeze(1)
 
 
 class InstructionDataset(torch.utils.data.Dataset):
@@ -297,9 +333,9 @@ class InstructionDataset(torch.utils.data.Dataset):
         shuffle: ``False`` keeps file order and row order (e.g. for evaluation).
         max_warnings: malformed-record warnings logged per file.
 
-    ``dataset[i]`` is a dict of ``tokens``, ``labels``, ``position_ids`` (int64 [seq_length]) and
-    ``loss_mask`` (float32 [seq_length]). ``stats`` holds the counts; a summary is logged at INFO.
-    A dataset with no usable example raises :class:`DataError`.
+    ``dataset[i]`` is a dict of ``tokens``, ``labels``, ``position_ids``, ``segment_ids`` (int64
+    [seq_length]) and ``loss_mask`` (float32 [seq_length]). ``stats`` holds the counts; a summary
+    is logged at INFO. A dataset with no usable example raises :class:`DataError`.
     """
 
     def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
@@ -325,8 +361,8 @@ class InstructionDataset(torch.utils.data.Dataset):
         order = np.arange(len(examples))
         if self.shuffle:
             order = np.random.default_rng([self.seed, 0x5EED]).permutation(len(examples))
-        self.rows, self.row_targets = pack_examples([examples[i] for i in order], self.seq_length,
-                                                    tokenizer.pad_id, self.stats)
+        self.rows, self.row_targets, self.row_segments = pack_examples(
+            [examples[i] for i in order], self.seq_length, tokenizer.pad_id, self.stats)
         if self.stats.too_long:
             logger.warning("%s: %d examples longer than seq_length+1=%d tokens skipped",
                            ", ".join(self.paths), self.stats.too_long, self.seq_length + 1)
@@ -337,7 +373,6 @@ class InstructionDataset(torch.utils.data.Dataset):
         if self.num_samples < 0:
             raise DataError(f"num_samples must be >= 0, got {num_samples}")
         self._perms: Dict[int, np.ndarray] = {}
-        self._positions = torch.arange(self.seq_length, dtype=torch.int64)
         logger.info("instruction data %s: %s", ", ".join(self.paths), self.stats.summary())
 
     @property
@@ -363,9 +398,11 @@ class InstructionDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
         r = self.row_index(idx)
         row = torch.from_numpy(self.rows[r])
+        segment_ids = torch.from_numpy(self.row_segments[r, :-1].copy())
         return {
             "tokens": row[:-1].clone(),
             "labels": row[1:].clone(),
             "loss_mask": torch.from_numpy(self.row_targets[r, 1:].astype(np.float32)),
-            "position_ids": self._positions.clone(),
+            "position_ids": positions_in_segments(segment_ids),
+            "segment_ids": segment_ids,
         }

@@ -25,7 +25,7 @@ from megatron_slmoe.lora.adapter import (
     save_adapter,
 )
 from megatron_slmoe.lora.experts import LoRALatentSwiGLUExperts
-from megatron_slmoe.lora.inject import inject_lora, lora_modules
+from megatron_slmoe.lora.inject import adapters_disabled, inject_lora, lora_modules
 from megatron_slmoe.lora.latent import LoRALatentProjection
 from megatron_slmoe.lora.linear import LoRAColumnParallelLinear, LoRARowParallelLinear
 from megatron_slmoe.lora.router import lora_router_class
@@ -43,6 +43,7 @@ __all__ = [
     "LoRATargetError",
     "TARGETS",
     "adapter_config_json",
+    "adapters_disabled",
     "describe_adapter",
     "inject_lora",
     "load_adapter",

@@ -94,7 +94,7 @@ class LoRALatentSwiGLUExperts(LoRAModule, LatentSwiGLUExperts):
         """One projection of all local experts; ``probs_R`` scales its output rows."""
         weight = getattr(self, f"{proj}_weight")
         lora_a, lora_b = getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
-        if lora_a is None:  # not adapted: the base experts' math
+        if lora_a is None or self.lora_scaling == 0.0:  # not adapted, or disabled: the base math
             if probs_R is not None:
                 x_RI = x_RI * probs_R.unsqueeze(-1).to(x_RI.dtype)
             parts = [F.linear(x, weight[e]) for e, x in enumerate(x_RI.split(counts.tolist()))]

@@ -24,7 +24,8 @@ embedding's output is therefore marked as requiring grad (the usual PEFT remedy)
 
 from __future__ import annotations
 
-from typing import Iterable, Union
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Union
 
 import torch
 from megatron.core import parallel_state
@@ -171,6 +172,21 @@ def lora_modules(model_chunks: ModelChunks) -> list[torch.nn.Module]:
     """This rank's LoRA modules, in model order over the chunks."""
     return [m for chunk in unwrap_chunks(model_chunks) for m in chunk.modules()
             if is_lora_module(m)]
+
+
+@contextmanager
+def adapters_disabled(model_chunks: ModelChunks) -> Iterator[None]:
+    """The base model for the duration: every adapter's scaling is 0, so each LoRA branch adds
+    exactly zero (the routing-stability terms compare the routing against the base this way)."""
+    modules = lora_modules(model_chunks)
+    scalings = [module.lora_scaling for module in modules]
+    for module in modules:
+        module.lora_scaling = 0.0
+    try:
+        yield
+    finally:
+        for module, scaling in zip(modules, scalings):
+            module.lora_scaling = scaling
 
 
 def injected_config(model_chunks: ModelChunks) -> LoRAConfig | None:

@@ -19,12 +19,16 @@ A layer that routed no token in a step reports ``imbalance``, ``load_entropy``, 
 and ``logit_rms`` as 0.0 (there is no load to measure), and its collapse detectors keep their state:
 an empty step is no evidence either way. ``summary_line`` leaves such layers out.
 
-Collapse detection, per layer and expert, on the share of the step's assignments:
-- starving: share < ``starved_fraction`` / E for ``starved_patience`` steps in a row; fires once
-  when the run reaches the patience, re-arms after a step above the threshold;
-- dominating: share > ``dominant_fraction``; fires on the first such step, re-arms after a step at
-  or below it. With top-k routing a share above 1/k is impossible, so ``dominant_fraction`` >= 1/k
-  never fires.
+Collapse detection, per layer and expert, on the share of the assignments of one *check*. A check
+judges the steps since the previous check once they routed at least ``min_routed_tokens`` tokens
+(one step each when steps are large enough; several steps pooled when they are small, so a share
+is never judged on a handful of tokens), and no check happens during the first ``warmup_steps``
+steps (routing that is still settling, e.g. from a random initialisation, is not a collapse):
+- starving: share < ``starved_fraction`` / E for ``starved_patience`` checks in a row; fires once
+  when the run reaches the patience, re-arms after a check above the threshold;
+- dominating: share > ``dominant_fraction``; fires on the first such check, re-arms after a check
+  at or below it. With top-k routing a share above 1/k is impossible, so ``dominant_fraction`` >=
+  1/k never fires.
 """
 
 from __future__ import annotations
@@ -56,15 +60,20 @@ class _LayerTrack:
     stats: RoutingStatsAccumulator
     window: int
     recent_WE: torch.Tensor = field(init=False)  # ring buffer of the last `window` steps' loads
-    starving_steps_E: list[int] = field(init=False)
+    starving_steps_E: list[int] = field(init=False)  # consecutive starving checks
+    starving_since_E: list[int] = field(init=False)  # the step each starving run began
     dominating_E: list[bool] = field(init=False)
+    pooled_E: torch.Tensor = field(init=False)  # assignments since the last check
+    pooled_tokens: float = 0.0
     steps: int = 0
 
     def __post_init__(self) -> None:
         num_experts = self.stats.num_experts
         self.recent_WE = torch.zeros(self.window, num_experts, dtype=torch.float64)
         self.starving_steps_E = [0] * num_experts
+        self.starving_since_E = [0] * num_experts
         self.dominating_E = [False] * num_experts
+        self.pooled_E = torch.zeros(num_experts, dtype=torch.float64)
 
 
 def _find_routers(model_chunks: Iterable[torch.nn.Module],
@@ -240,7 +249,15 @@ class RoutingMonitor:
             metrics["load_entropy"] = -plogp_E.sum().item() / math.log(num_experts)
             metrics["max_share"] = max_share.item()
             metrics["dominant_expert"] = int(top_expert)
-            self._detect_collapse(track, share_E.tolist(), iteration, warnings)
+        if track.steps > self.config.warmup_steps:
+            track.pooled_E += tokens_E
+            track.pooled_tokens += num_tokens
+            pooled = track.pooled_E.sum().item()
+            if pooled > 0 and track.pooled_tokens >= self.config.min_routed_tokens:
+                self._detect_collapse(track, (track.pooled_E / pooled).tolist(), iteration,
+                                      track.steps, warnings)
+                track.pooled_E.zero_()
+                track.pooled_tokens = 0.0
         if num_tokens > 0:
             metrics["router_entropy"] = fields["entropy_sum"] / num_tokens
             metrics["logit_rms"] = math.sqrt(fields["logit_sq_sum"] / (num_tokens * num_experts))
@@ -248,7 +265,7 @@ class RoutingMonitor:
         return metrics
 
     def _detect_collapse(self, track: _LayerTrack, share_E: list[float], iteration: int,
-                         warnings: list[str]) -> None:
+                         step: int, warnings: list[str]) -> None:
         cfg = self.config
         num_experts = len(share_E)
         fair = 1.0 / num_experts
@@ -256,12 +273,16 @@ class RoutingMonitor:
         for expert, share in enumerate(share_E):
             if share < starve_below:
                 track.starving_steps_E[expert] += 1
-                # == not >=: one warning per episode, at the step the run reaches the patience.
+                if track.starving_steps_E[expert] == 1:
+                    track.starving_since_E[expert] = step
+                # == not >=: one warning per episode, at the check the run reaches the patience.
                 if track.starving_steps_E[expert] == cfg.starved_patience:
+                    steps = step - track.starving_since_E[expert] + 1
                     warnings.append(
                         f"routing collapse at iteration {iteration}: layer {track.layer_number} "
                         f"expert {expert} starving, share {share:.4g} < {cfg.starved_fraction:g} "
-                        f"x fair share {fair:.4g} for {cfg.starved_patience} steps in a row")
+                        f"x fair share {fair:.4g} for {cfg.starved_patience} checks in a row "
+                        f"(over {steps} steps)")
             else:
                 track.starving_steps_E[expert] = 0
             if share > cfg.dominant_fraction:

@@ -13,7 +13,10 @@ tracking logs them. What this class adds:
   update ``sign(mean - tokens) * rate`` is zero;
 * capacity dropping by ``megatron_slmoe.moe.capacity`` (its "position" policy keeps the earliest
   tokens; Megatron's keeps arbitrary ones), applied after Megatron's routing and before the
-  expert-bias token count, where Megatron applies its own.
+  expert-bias token count, where Megatron applies its own;
+* ``routing_hooks``: callables that see every routing decision (logits, probs, routing map) and
+  may attach a loss to the probs the way Megatron attaches its aux losses; the routing-stability
+  terms and probes of fine-tuning (``megatron_slmoe.moe.stability``) use them.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class SLMoERouter(TopKRouter):
         self.weight.requires_grad_(not freeze_weight)
         # The bias follows the router unless told otherwise.
         self.expert_bias_frozen = freeze_weight if freeze_expert_bias is None else freeze_expert_bias
+        self.routing_hooks: list = []  # hook(router, logits_TE, probs, routing_map, valid_T) -> probs
 
     def _apply_expert_bias(self, routing_map: torch.Tensor,
                            padding_mask: Optional[torch.Tensor] = None):
@@ -54,6 +58,11 @@ class SLMoERouter(TopKRouter):
         if not self.expert_bias_frozen:
             flat_padding = None if padding_mask is None else padding_mask.reshape(-1)
             TopKRouter._apply_expert_bias(self, routing_map, padding_mask=flat_padding)
+        if self.routing_hooks:
+            logits_TE = logits.reshape(-1, self.config.num_moe_experts)
+            valid_T = None if padding_mask is None else ~padding_mask.reshape(-1).bool()
+            for hook in self.routing_hooks:
+                probs = hook(self, logits_TE, probs, routing_map, valid_T)
         # Count once per training forward: under activation recomputation the first forward runs
         # without grad and only the recomputation counts (Megatron's rule for the expert bias).
         if self.training and torch.is_grad_enabled():

@@ -161,6 +161,11 @@ class Trainer:
                                                                    self.output_dir, self.storage)
         self._num_microbatches = run.schedule.global_batch_size // (
             run.schedule.micro_batch_size * self.dp_size)
+        from megatron_slmoe.training.quality import RunQuality
+
+        self.quality = RunQuality(run, model, self.tokenizer, self.valid, self.dp_rank,
+                                  self.dp_size, self._forward_only,
+                                  probe=self._microbatches(self.valid, 0))
         self.writer = None
         if self.rank == 0:
             from megatron_slmoe.config.cli import to_yaml
@@ -259,12 +264,17 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------
 
     def _forward_step(self, data_iterator, model):
+        from megatron_slmoe.data.instruction import packed_attention_mask
+
         if self.task:
             from megatron_slmoe.training.image_text import forward_step
 
             return forward_step(self.platform.device(), data_iterator, model)
         batch = {k: v.to(self.platform.device()) for k, v in next(data_iterator).items()}
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        # Packed instruction rows keep their examples apart (data.instruction); pretraining
+        # samples use Megatron's default causal mask.
+        mask = packed_attention_mask(batch["segment_ids"]) if "segment_ids" in batch else None
+        output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
         return output, partial(_masked_mean_loss, batch["loss_mask"])
 
     def _microbatches(self, dataset, start: int) -> list[dict[str, torch.Tensor]]:
@@ -296,6 +306,9 @@ class Trainer:
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         return loss.item() / self.dp_size
 
+    def _forward_only(self, microbatches) -> None:
+        self._run_schedule(microbatches, forward_only=True)
+
     def evaluate(self) -> float:
         self.ddp.eval()
         schedule = self.run_config.schedule
@@ -309,7 +322,9 @@ class Trainer:
     def train_step(self, consumed: int) -> tuple[float, Optional[float]]:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = self._run_schedule(self._microbatches(self.train, consumed), forward_only=False)
+        microbatches = self._microbatches(self.train, consumed)
+        self.quality.before_step(microbatches)
+        loss = self._run_schedule(microbatches, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
@@ -361,26 +376,27 @@ class Trainer:
         self.setup()
         schedule, output = self.run_config.schedule, self.run_config.output
         ckpt_root = os.path.join(self.output_dir, "checkpoints")
-        iteration, consumed, eval_before = 0, 0, None
+        iteration, consumed, eval_before, accuracy_before = 0, 0, None, None
         resume_from = self._resume_point(ckpt_root) if output.resume else None
         if resume_from:
             state = checkpointing.load_checkpoint(resume_from, [self.model], self.optimizer)
             self._load_schedule(state["scheduler"])
             iteration, consumed = state["iteration"], state["consumed_samples"]
             eval_before = state.get("eval_loss_before")
-            self.accuracy_before = state.get("accuracy_before")
+            accuracy_before = state.get("accuracy_before")
             self._info(f"[finetune] resumed from {resume_from} at iteration {iteration}")
         self.iteration = iteration
         self._open_metrics(iteration, resume_from)
         if eval_before is None:
             eval_before = self.evaluate()
-            self._info(f"[finetune] held-out loss before training: {eval_before:.4f}")
-            self.accuracy_before = self._answer_accuracy("before training")
+            accuracy_before = self._accuracy("before training")
+            self._info(f"[finetune] held-out loss before training: {eval_before:.4f}"
+                       + _accuracy_text(accuracy_before))
 
         tokens_per_step = schedule.global_batch_size * self.run_config.data.seq_length
         self.collapse_warnings = 0
         window_start, window_steps = time.time(), 0
-        eval_loss = None
+        eval_loss, accuracy = None, None
         self.heartbeat = start_heartbeat(
             self.run_config.health.heartbeat_timeout,
             on_stop=lambda message: self.attempt.ended(
@@ -401,9 +417,16 @@ class Trainer:
                 self.optimizer.param_groups[0]), "grad_norm": grad_norm,
                 "consumed_samples": consumed, "aux_losses": self._aux_losses()}
             last = iteration == schedule.train_iters
+            measured_since = time.time()  # evaluation and probes are not training throughput
+            for layer, drift in self.quality.drift(iteration, last).items():
+                routing["layers"][layer].update(drift)
             if iteration % schedule.eval_interval == 0 or last:
                 eval_loss = self.evaluate()
                 record["eval_loss"] = eval_loss
+                accuracy = self.quality.accuracy()
+                if accuracy is not None:
+                    record["eval_accuracy"] = accuracy
+            window_start += time.time() - measured_since
             if iteration % schedule.log_interval == 0 or last:
                 if self.task:
                     record["bad_samples"] = self.task.bad_samples()
@@ -422,14 +445,21 @@ class Trainer:
                 self.checkpoints.save(
                     ckpt_root, iteration, [self.model], self.optimizer,
                     {"consumed_samples": consumed, "scheduler": self.scheduler.state_dict(),
-                     "eval_loss_before": eval_before,
-                     "accuracy_before": self.accuracy_before}, output.keep_last)
+                     "eval_loss_before": eval_before, "accuracy_before": accuracy_before},
+                    output.keep_last)
         if self.heartbeat:
             self.heartbeat.close()
         self.checkpoints.close()
         if eval_loss is None:  # resumed at the end: no step ran in this attempt
-            eval_loss = self.evaluate()
-        return self._finish(eval_before, eval_loss, iteration)
+            eval_loss, accuracy = self.evaluate(), self.quality.accuracy()
+        if self.task:  # image-text: answers generated once, at the end
+            accuracy = self._accuracy("after training")
+        return self._finish(eval_before, eval_loss, iteration, accuracy_before, accuracy)
+
+    def _accuracy(self, when: str) -> Optional[float]:
+        """Held-out exact-match accuracy (collective): the image-text task's answers, else the
+        instruction conversations' (RunQuality); None without either."""
+        return self._answer_accuracy(when) if self.task else self.quality.accuracy()
 
     def _load_schedule(self, saved: dict) -> None:
         """The learning-rate schedule of a checkpoint, continued under this run's --train-iters
@@ -527,8 +557,8 @@ class Trainer:
         if status[0]:
             raise RuntimeError(status[0])
 
-    def _finish(self, eval_before: float, eval_after: float, iteration: int) -> int:
-        accuracy_after = self._answer_accuracy("after training")
+    def _finish(self, eval_before: float, eval_after: float, iteration: int,
+                accuracy_before: Optional[float], accuracy_after: Optional[float]) -> int:
         bad_samples = self.task.bad_samples() if self.task else None
         adapter_dir = None
         if self.lora_config is not None:
@@ -554,40 +584,49 @@ class Trainer:
             last_routing = getattr(self, "last_routing", None)
             load = {layer: {k: m[k] for k in ("imbalance", "load_entropy", "dead_experts_window")}
                     for layer, m in (last_routing or {"layers": {}})["layers"].items()}
+            dead = sum(m["dead_experts_window"] for m in load.values())
             summary = {"eval_loss_before": eval_before, "eval_loss_after": eval_after,
+                       "accuracy_before": accuracy_before, "accuracy_after": accuracy_after,
                        "steps": iteration, "adapter_dir": adapter_dir,
                        "output_dir": self.output_dir,
                        "output_url": self.run_config.output.output_url,
                        "finetune_mode": self.run_config.model.finetune_mode,
                        "expert_load_last_step": load, "collapse_warnings": self.collapse_warnings,
+                       "dead_experts_end": dead, "plots": [],
                        "node_cache": self.storage.cache.stats.as_dict()
                        if self.storage.cache_in_use else None,
                        "checkpoint": {"async": self.checkpoints.async_save,
                                       "persistent_worker": self.checkpoints.persistent_worker,
                                       "blocked_s_by_save": self.checkpoints.blocked_s_by_save}}
             if self.task:
-                summary.update(task="image-text", accuracy_before=self.accuracy_before,
-                               accuracy_after=accuracy_after, bad_samples=bad_samples)
+                summary.update(task="image-text", bad_samples=bad_samples)
+            self.writer.close()  # complete: the pictures read metrics.jsonl and summary.json
             write_json_atomic(os.path.join(self.output_dir, "summary.json"),
                               redact_mapping(summary))
+            if self.run_config.output.plots:
+                from megatron_slmoe.training.plots import plot_run
+
+                summary["plots"] = plot_run(self.output_dir)
+                write_json_atomic(os.path.join(self.output_dir, "summary.json"),
+                                  redact_mapping(summary))
             if self.mirror is not None:
                 self._upload_outputs(adapter_dir)
-            if load:
-                worst = max(m["imbalance"] for m in load.values())
-                dead = sum(m["dead_experts_window"] for m in load.values())
-                self._info(f"[finetune] expert load: worst imbalance (max/mean) {worst:.2f} over "
-                           f"{len(load)} MoE layers, {dead} experts without tokens in the last "
-                           f"window, {self.collapse_warnings} collapse warnings")
+            worst = max((m["imbalance"] for m in load.values()), default=float("nan"))
+            self._info(f"[finetune] expert load: worst imbalance (max/mean) {worst:.2f} over "
+                       f"{len(load)} MoE layers, {dead} experts without tokens in the last window, "
+                       f"{self.collapse_warnings} collapse warnings")
             if adapter_dir:
                 self._info(f"[finetune] adapter: {adapter_dir}")
-            if self.task and accuracy_after is not None:
-                before = "n/a" if self.accuracy_before is None else f"{self.accuracy_before:.3f}"
-                self._info(f"[finetune] held-out answer accuracy {before} -> "
-                           f"{accuracy_after:.3f}; bad samples skipped: "
-                           f"{sum(bad_samples.values())} {bad_samples}")
-            self._info(f"[finetune] held-out loss {eval_before:.4f} -> {eval_after:.4f}; "
-                       f"summary in {os.path.join(self.output_dir, 'summary.json')}")
-            self.writer.close()
+            if self.task:
+                self._info(f"[finetune] bad samples skipped: {sum(bad_samples.values())} "
+                           f"{bad_samples}")
+            self._info(f"[finetune] held-out loss {eval_before:.4f} -> {eval_after:.4f}"
+                       + (f"; exact-match accuracy {accuracy_before:.1%} -> {accuracy_after:.1%}"
+                          if accuracy_after is not None and accuracy_before is not None else "")
+                       + f"; summary in {os.path.join(self.output_dir, 'summary.json')}")
+            if summary["plots"]:
+                self._info(f"[finetune] pictures: {os.path.dirname(summary['plots'][0])} "
+                           f"({', '.join(os.path.basename(p) for p in summary['plots'])})")
         self.attempt.ended("finished", iteration)
         from megatron.core import parallel_state
 
@@ -679,14 +718,20 @@ def _progress(record: dict, total: int, eta: float) -> str:
                            record["grad_norm"], record["tokens_per_s"], record["memory_bytes"], eta)
 
 
+def _accuracy_text(accuracy: Optional[float]) -> str:
+    return "" if accuracy is None else f", exact-match accuracy {accuracy:.1%}"
+
+
 def _routing_record(per_stage: list[dict]) -> dict:
+    from megatron_slmoe.moe.stability import DRIFT_FIELDS
+
     layers, warnings = {}, []
     for stage in per_stage:
         warnings += stage["warnings"]
         for number, metrics in stage["layers"].items():
             layers[str(number)] = {k: metrics[k] for k in (
                 "tokens_per_expert", "imbalance", "load_entropy", "router_entropy",
-                "dead_experts_window", "logit_rms") if k in metrics}
+                "dead_experts_window", "logit_rms", *DRIFT_FIELDS) if k in metrics}
     return {"layers": layers, "warnings": warnings}
 
 

@@ -40,6 +40,7 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     from megatron_slmoe.training.model_setup import open_model
 
     _check_paths(run)
+    _check_base_model(run)
     _check_object_storage(run)
     # With --hf-checkpoint: config.json, the index and every shard's header, and (unless
     # --no-hf-shape-check) every tensor's shape against config.json.
@@ -85,6 +86,17 @@ def _check_paths(run: RunConfig) -> None:
         for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
             if path and not is_object_url(path) and not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file")
+
+
+def _check_base_model(run: RunConfig) -> None:
+    """LoRA adapts a trained model: on random weights it trains adapters for nothing."""
+    model = run.model
+    if model.finetune_mode == "lora" and not (model.base_checkpoint or model.hf_checkpoint):
+        raise ConfigError(
+            "LoRA needs a trained base model: name one with --base-checkpoint DIR (a Megatron dist "
+            "checkpoint, e.g. from --finetune-mode full --save-base DIR) or --hf-checkpoint DIR, run "
+            "`bash scripts/pretrain_lora.sh` with no flags for the demo (it pretrains a tiny base "
+            "first), or train every weight from scratch with --finetune-mode full")
 
 
 def object_inputs(run: RunConfig) -> list[tuple[str, str]]:
@@ -152,6 +164,12 @@ def _check_tokenizer(run: RunConfig, model_config):
     from megatron_slmoe.storage import Storage, StorageError
 
     data = run.data
+    if data.format == "instruction" and model_config.transformer.get("masked_softmax_fusion"):
+        # Megatron's fused causal softmax (GPU, 16-bit) takes no mask: packed examples would see
+        # each other again.
+        raise ConfigError(f"{model_config.source}: masked_softmax_fusion: true would drop the "
+                          f"attention mask that keeps packed instruction examples apart; set it "
+                          f"to false")
     if data.seq_length > model_config.max_sequence_length:
         raise ConfigError(f"--seq-length {data.seq_length} exceeds the model's "
                           f"max_sequence_length {model_config.max_sequence_length} "

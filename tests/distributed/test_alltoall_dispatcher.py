@@ -96,7 +96,6 @@ def _run_layer(case: dict):
     grads["fc1"] = layer.experts.fc1_weight.grad
     grads["fc2"] = layer.experts.fc2_weight.grad
     traffic = layer.dispatcher.traffic.state.clone() if hasattr(layer.dispatcher, "traffic") else None
-    received = int(sum(layer.dispatcher_last_tokens)) if hasattr(layer, "dispatcher_last_tokens") else None
     return out.detach().view(TOKENS_PER_RANK, HIDDEN), x.grad.view(TOKENS_PER_RANK, HIDDEN), \
         grads, traffic, (params, x_all, upstream, mine, layer.local_expert_indices)
 

@@ -1,6 +1,7 @@
 """The LoRA fine-tuning job on real gloo ranks (torchrun), as users run it:
 
-- 20 steps give the same loss curve on 1 rank and on 2 ranks with TP=2, EP=2, PP=2 and DP=2;
+- 20 steps give the same loss curve on 1 rank and on 2 ranks with TP=2, EP=2, PP=2 and DP=2,
+  routing-stability losses included, and the same held-out accuracy by generation;
 - a rank killed mid-run (kill -9) under torchrun's restart budget: every rank restarts by itself,
   resumes from the newest intact checkpoint and reproduces the uninterrupted losses; the log names
   the dead rank and the checkpoint; metrics.jsonl has each iteration once, and the restart;
@@ -31,7 +32,10 @@ from tests.helpers.ranks import run_ranks
 COMMON = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size", "8",
           "--micro-batch-size", "2", "--lr", "1e-3", "--lr-warmup-iters", "2", "--eval-iters", "1",
           "--eval-interval", "1000", "--log-interval", "5", "--lora-rank", "4", "--fp32",
-          "--no-tensorboard"]
+          "--no-tensorboard", "--eval-accuracy-samples", "16", "--no-plots"]
+# The routing-stability terms of LoRA runs (a reference pass per step, two attached losses) must
+# give the same curves in every layout too.
+STABILITY = ["--moe-routing-kl-coeff", "0.5", "--moe-routed-balance-coeff", "0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def start(tmp_path_factory):
 
 
 def _lora_run(start: Path, name: str, nproc: int, extra: list[str], iters: int = 20, **kw):
-    args = [*COMMON, "--base-checkpoint", str(start / "base"), "--adapter-init",
+    args = [*COMMON, *STABILITY, "--base-checkpoint", str(start / "base"), "--adapter-init",
             str(start / "init" / "adapter"), "--train-iters", str(iters), "--save-interval", "5",
             "--output-dir", str(start / name), *extra]
     return _torchrun(nproc, args, **kw)
@@ -73,6 +77,9 @@ def test_loss_curve_matches_single_rank(start, single_rank, name, flags):
     for it in range(1, 21):
         assert losses[it] == pytest.approx(single_rank[it], rel=1e-5, abs=1e-6), f"iteration {it}"
     assert losses[20] < losses[1]  # and it learns
+    summary = json.loads((start / name / "summary.json").read_text())
+    reference = json.loads((start / "single" / "summary.json").read_text())
+    assert summary["accuracy_after"] == reference["accuracy_after"]
 
 
 SECRET = "slmoe-test-secret-7f3a9c"

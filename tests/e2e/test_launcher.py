@@ -32,7 +32,10 @@ def sandbox(tmp_path):
         env.pop(name, None)
     # never let a build-stamp mismatch reinstall a different torch because of the fake GPU tools
     env.update(TORCHRUN=str(fake), SLMOE_TORCH_SPEC=f"torch=={torch.__version__}")
-    return {"env": env, "bin": bin_dir, "marker": marker, "tmp": tmp_path}
+    base = tmp_path / "base"  # LoRA needs a named base; nothing is loaded in a dry run
+    base.mkdir()
+    return {"env": env, "bin": bin_dir, "marker": marker, "tmp": tmp_path,
+            "small": [*SMALL, "--base-checkpoint", str(base)]}
 
 
 def _launch(sandbox, args, **env):
@@ -50,7 +53,7 @@ def _commands(stdout):
 
 def test_static_master_layout_and_settings(sandbox):
     out_dir = sandbox["tmp"] / "run"
-    proc = _launch(sandbox, ["--dry-run", *SMALL, "--output-dir", str(out_dir)],
+    proc = _launch(sandbox, ["--dry-run", *sandbox["small"], "--output-dir", str(out_dir)],
                    NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="23456",
                    NPROC_PER_NODE="4", TP="2", DISTRIBUTED_TIMEOUT_MINUTES="7")
     assert proc.returncode == 0, proc.stderr
@@ -65,7 +68,7 @@ def test_static_master_layout_and_settings(sandbox):
     assert train.startswith(f"{sandbox['env']['TORCHRUN']} {layout} --max-restarts 3 "
                             f"-m megatron_slmoe.training.finetune ")
     assert "--tensor-model-parallel-size 2" in train and "--distributed-timeout-minutes 7" in train
-    assert train.endswith(f"--train-iters 15 --lr-warmup-iters 0 --output-dir {out_dir}")
+    assert train.endswith(f"{' '.join(sandbox['small'])} --output-dir {out_dir}")
     pre = commands["preflight"]
     assert f"{layout} -m megatron_slmoe.preflight --report {out_dir}/preflight.json -- " in pre
     assert f"# log: {out_dir}/node1.log" in lines
@@ -73,7 +76,7 @@ def test_static_master_layout_and_settings(sandbox):
 
 
 def test_rendezvous_layout(sandbox):
-    proc = _launch(sandbox, ["--dry-run", *SMALL, "--distributed-timeout-minutes", "9"],
+    proc = _launch(sandbox, ["--dry-run", *sandbox["small"], "--distributed-timeout-minutes", "9"],
                    NNODES="2", NPROC_PER_NODE="2", RDZV_ENDPOINT="head-node:29400",
                    RDZV_ID="job42", RDZV_CONF="is_host=1", LOCAL_ADDR="10.0.0.5",
                    DISTRIBUTED_TIMEOUT_MINUTES="7")
@@ -102,7 +105,8 @@ def test_processes_per_node_from_visible_devices(sandbox):
     cases = [({"PATH": path}, 3), ({"PATH": path, "CUDA_VISIBLE_DEVICES": "0,1"}, 2),
              ({"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}, 4), ({}, 2)]
     for env, expected in cases:
-        proc = _launch(sandbox, ["--dry-run", "--no-preflight", *SMALL, "--global-batch-size", "48",
+        proc = _launch(sandbox, ["--dry-run", "--no-preflight", *sandbox["small"],
+                                 "--global-batch-size", "48",
                                  "--micro-batch-size", "1"], **env)
         assert proc.returncode == 0, proc.stderr
         assert f"NPROC_PER_NODE={expected}" in proc.stdout.splitlines(), (env, proc.stdout)
@@ -113,7 +117,7 @@ def test_processes_per_node_from_visible_devices(sandbox):
 def test_network_profile_checked_before_launch(sandbox):
     sysfs = fake_sysfs(sandbox["tmp"] / "sys", hcas={"mlx5_0": {1: ("4: ACTIVE", "Ethernet", ROCE_GIDS)}})
     good = {"NETWORK_PROFILE": "roce", "SLMOE_SYSFS_ROOT": str(sysfs)}
-    proc = _launch(sandbox, ["--dry-run", *SMALL], **good)
+    proc = _launch(sandbox, ["--dry-run", *sandbox["small"]], **good)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "[netcheck] profile roce: ok" in lines
@@ -122,7 +126,7 @@ def test_network_profile_checked_before_launch(sandbox):
             "NCCL_IB_TC=106", "NETWORK_PROFILE=roce"} <= set(lines)
 
     # a RoCE v1 GID: one line, exit 2, no command printed, nothing started (even without --dry-run)
-    for args in (["--dry-run", *SMALL], SMALL):
+    for args in (["--dry-run", *sandbox["small"]], sandbox["small"]):
         proc = _launch(sandbox, args, **good, NCCL_IB_GID_INDEX="2")
         assert proc.returncode == 2
         assert proc.stderr.splitlines() == [
@@ -130,7 +134,7 @@ def test_network_profile_checked_before_launch(sandbox):
             f"({sysfs}/class/infiniband/mlx5_0/ports/1/gid_attrs/types/2; RoCE v2 GIDs here: 1, 3)"]
         assert "torchrun" not in proc.stdout
 
-    proc = _launch(sandbox, ["--dry-run", *SMALL], NETWORK_PROFILE="opa")
+    proc = _launch(sandbox, ["--dry-run", *sandbox["small"]], NETWORK_PROFILE="opa")
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["error: NETWORK_PROFILE=opa is not one of ib, roce, hccl"]
 
@@ -143,7 +147,7 @@ def test_network_profile_checked_before_launch(sandbox):
     ({"NPROC_PER_NODE": "two"}, "error: NPROC_PER_NODE=two must be an integer >= 1"),
 ])
 def test_bad_layout_is_one_line(sandbox, env, message):
-    proc = _launch(sandbox, ["--dry-run", *SMALL], **env)
+    proc = _launch(sandbox, ["--dry-run", *sandbox["small"]], **env)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [message]
 

@@ -98,16 +98,24 @@ def test_packing_lengths_eos_and_positions(tok, tmp_path):
     eos_total = 0
     for i in range(len(ds)):
         s = ds[i]
-        for key in ("tokens", "labels", "position_ids"):
+        for key in ("tokens", "labels", "position_ids", "segment_ids"):
             assert s[key].shape == (SEQ,) and s[key].dtype == torch.int64
         assert s["loss_mask"].dtype == torch.float32
-        assert torch.equal(s["position_ids"], torch.arange(SEQ))
         assert torch.equal(s["tokens"][1:], s["labels"][:-1])
         row = torch.cat([s["tokens"], s["labels"][-1:]]).tolist()
         content = row[:len(row) - next(i for i, t in enumerate(reversed(row)) if t != tok.pad_id)]
         # Whole examples only: a row starts with a role token and its content ends with EOS.
         assert content[0] in (tok.role_id("user"), tok.role_id("system"))
         assert content[-1] == tok.eos_id
+        # Each example is a segment that starts at position 0 (a new segment begins after the
+        # EOS that closes an example's last turn and at a user/system token).
+        starts = [0] + [i for i in range(1, SEQ) if s["segment_ids"][i] != s["segment_ids"][i - 1]]
+        for a, b in zip(starts, starts[1:] + [SEQ]):
+            assert torch.equal(s["position_ids"][a:b], torch.arange(b - a))
+            assert len(set(s["segment_ids"][a:b].tolist())) == 1
+        for a in starts[1:]:
+            assert row[a - 1] in (tok.eos_id, tok.pad_id) or row[a] == tok.pad_id
+        assert s["segment_ids"].tolist() == sorted(s["segment_ids"].tolist())
         assert all(t == tok.pad_id for t in row[len(content):])
         assert s["loss_mask"][len(content) - 1:].sum() == 0  # nothing learnt on padding
         eos_total += content.count(tok.eos_id)
@@ -127,7 +135,7 @@ def test_too_long_examples_are_skipped_and_counted(tok, tmp_path, caplog):
     # An example of exactly seq_length + 1 tokens fits one row.
     ids, targets = render_chat(tok, parse_record(GOOD[0]))
     stats = InstructionStats()
-    rows, flags = pack_examples([(ids, targets)], len(ids) - 1, tok.pad_id, stats)
+    rows, flags, _ = pack_examples([(ids, targets)], len(ids) - 1, tok.pad_id, stats)
     assert rows.shape == (1, len(ids)) and stats.too_long == 0 and stats.pad_tokens == 0
 
 

@@ -10,7 +10,6 @@ import logging
 import os
 import tarfile
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image

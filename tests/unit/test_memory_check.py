@@ -15,16 +15,18 @@ BAD_LAYOUT = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-si
 
 
 @pytest.fixture
-def world_512(monkeypatch):
+def world_512(monkeypatch, tmp_path):
+    """512 ranks; the flagship's flags with a base named (LoRA needs one; the check loads none)."""
     monkeypatch.setenv("WORLD_SIZE", "512")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    return [*FLAGSHIP, "--base-checkpoint", str(tmp_path)]
 
 
 def test_infeasible_layout_is_refused_with_the_nearest_that_fits(world_512, capsys):
     from megatron_slmoe.training.finetune import main
 
     initialised = torch.distributed.is_initialized()
-    assert main([*FLAGSHIP, *BAD_LAYOUT]) == 2
+    assert main([*world_512, *BAD_LAYOUT]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert "layout tp8 pp1 ep8 dp64" in err and "does not fit" in err
@@ -36,7 +38,7 @@ def test_warn_lets_it_through_with_the_same_verdict(world_512, caplog):
     from megatron_slmoe.training.finetune import main
 
     with caplog.at_level(logging.WARNING):
-        assert main([*FLAGSHIP, *BAD_LAYOUT, "--memory-check", "warn"]) == 0
+        assert main([*world_512, *BAD_LAYOUT, "--memory-check", "warn"]) == 0
     assert any("does not fit" in r.getMessage() for r in caplog.records)
 
 
@@ -46,7 +48,7 @@ def test_a_layout_that_fits_passes(world_512):
     fitting = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8",
                "--expert-model-parallel-size", "64", "--recompute-granularity", "selective",
                "--recompute-modules", "core_attn"]  # the planner's best for 512 x 64 GiB
-    assert main([*FLAGSHIP, *fitting]) == 0
+    assert main([*world_512, *fitting]) == 0
 
 
 def test_no_device_memory_no_check():

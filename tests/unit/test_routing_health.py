@@ -1,6 +1,8 @@
 """Routing health in training: the load-balancing loss lowers load imbalance against a run with
-coefficient 0, a deliberately collapsing router trips the collapse detector, and the expert bias
-stops updating when it is frozen (by default together with the router)."""
+coefficient 0, a deliberately collapsing router trips the collapse detector, a healthy run with
+small steps raises no alarm with the default detector settings (warm-up, minimum routed tokens)
+while a collapsed one is still caught, and the expert bias stops updating when it is frozen (by
+default together with the router)."""
 
 import pytest
 import torch
@@ -83,7 +85,8 @@ def test_collapsing_router_trips_the_detector(caplog):
         layer.router.weight.zero_()
         layer.router.weight[3, 0] = 50.0  # every token's first choice is expert 3
     x = torch.randn(8, 2, HIDDEN, generator=torch.Generator().manual_seed(2)).abs()
-    warn = RoutingMonitor(layer, MonitorConfig(starved_patience=3, dominant_fraction=0.4))
+    warn = RoutingMonitor(layer, MonitorConfig(starved_patience=3, dominant_fraction=0.4,
+                                                warmup_steps=0, min_routed_tokens=0))
     layer(x)
     first = warn.step(0)
     print("\n" + "\n".join(first["warnings"]))
@@ -95,9 +98,55 @@ def test_collapsing_router_trips_the_detector(caplog):
     # After `starved_patience` steps the experts that get nothing are reported as starving.
     assert any("starv" in w for w in last["warnings"]), last["warnings"]
     layer(x)
-    stop = RoutingMonitor(layer, MonitorConfig(dominant_fraction=0.4, action="stop"))
+    stop = RoutingMonitor(layer, MonitorConfig(dominant_fraction=0.4, action="stop",
+                                                warmup_steps=0, min_routed_tokens=0))
     with pytest.raises(RoutingCollapseError, match="layer 1"):
         stop.step(0)
+
+
+def _alarms(config, steps, tokens_per_step, collapse):
+    """The monitor's warnings over a run of the router alone: healthy (its random initialisation
+    spreads the tokens evenly) or collapsed (every token goes to experts 3 and 5)."""
+    from megatron_slmoe.moe.monitor import RoutingMonitor
+
+    torch.manual_seed(0)
+    layer, _ = _layer()
+    if collapse:
+        with torch.no_grad():
+            layer.router.weight[3, 0], layer.router.weight[5, 0] = 50.0, 40.0
+    monitor = RoutingMonitor(layer, config)
+    gen = torch.Generator().manual_seed(4)
+    alarms = []
+    for step in range(1, steps + 1):
+        x = torch.randn(tokens_per_step, 1, HIDDEN, generator=gen)
+        if collapse:
+            x[..., 0] = x[..., 0].abs() + 1.0
+        layer.router(x)  # a training forward records the routing
+        alarms += [(step, w) for w in monitor.step(step)["warnings"]]
+    return alarms
+
+
+def test_healthy_small_steps_raise_no_alarm_and_a_collapse_is_still_caught():
+    """Four tokens a step: judged step by step, a healthy router looks dominated and starved by
+    chance; with the defaults (a warm-up, then a check per 1024 routed tokens) it raises nothing,
+    and the same settings catch a collapsed router right after the warm-up."""
+    from megatron_slmoe.config.run import MonitorConfig
+
+    strict = dict(starved_patience=2, dominant_fraction=0.3)
+    per_step = _alarms(MonitorConfig(**strict, warmup_steps=0, min_routed_tokens=0), 600, 4,
+                       collapse=False)
+    defaults = MonitorConfig(**strict)
+    healthy = _alarms(defaults, 600, 4, collapse=False)
+    collapsed = _alarms(defaults, 600, 4, collapse=True)
+    print(f"\nhealthy router, 4 tokens/step, 600 steps: {len(per_step)} alarms judged per step, "
+          f"{len(healthy)} with the defaults; collapsed router: first alarm at step "
+          f"{collapsed[0][0] if collapsed else None}")
+    assert len(per_step) > 10  # without the minimum these are false alarms
+    assert healthy == []
+    check = defaults.warmup_steps + defaults.min_routed_tokens // 4  # the first check
+    assert collapsed and collapsed[0][0] == check
+    assert any("dominating" in w for _, w in collapsed)
+    assert any("starving" in w and "expert 0" in w for _, w in collapsed)
 
 
 @pytest.mark.parametrize("slmoe_kwargs, bias_moves", [

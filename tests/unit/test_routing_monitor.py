@@ -14,6 +14,10 @@ from megatron_slmoe.moe.monitor import (RoutingCollapseError, RoutingMonitor,
                                         summary_line)
 from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator
 
+# The detectors' mechanics on a few tokens per step: judge every step from the first (the
+# defaults' warm-up and token minimum are tested in test_routing_health.py).
+JUDGE_EVERY_STEP = {"warmup_steps": 0, "min_routed_tokens": 0}
+
 
 class FakeRouter(torch.nn.Module):
     def __init__(self, num_experts, layer_number):
@@ -185,7 +189,8 @@ def run_steps(monitor, router, loads):
 def test_starving_fires_exactly_at_patience_once_per_episode_and_rearms(caplog):
     router = FakeRouter(4, 7)
     monitor = RoutingMonitor(make_model(router),
-                             MonitorConfig(starved_fraction=0.1, starved_patience=3))
+                             MonitorConfig(starved_fraction=0.1, starved_patience=3,
+                                           **JUDGE_EVERY_STEP))
     starving, healthy = [10, 10, 10, 0], [10, 10, 10, 10]
     # Expert 3's share is 1/40 = 0.025 at the threshold 0.1 x 1/4: not starving (strictly below).
     edge = [13, 13, 13, 1]
@@ -204,7 +209,8 @@ def test_starving_fires_exactly_at_patience_once_per_episode_and_rearms(caplog):
 
 def test_starving_counter_is_reported_and_survives_an_empty_step():
     router = FakeRouter(4, 1)
-    monitor = RoutingMonitor(make_model(router), MonitorConfig(starved_patience=3))
+    monitor = RoutingMonitor(make_model(router),
+                             MonitorConfig(starved_patience=3, **JUDGE_EVERY_STEP))
     record(router, loads_batch([4, 4, 4, 0]))
     assert monitor.step(1)["layers"][1]["starving"] == [[3, 1]]
     record(router, loads_batch([4, 4, 4, 0]))
@@ -219,7 +225,8 @@ def test_starving_counter_is_reported_and_survives_an_empty_step():
 def test_dominance_fires_at_once_once_per_episode_and_rearms():
     router = FakeRouter(4, 2)
     monitor = RoutingMonitor(make_model(router),
-                             MonitorConfig(dominant_fraction=0.5, starved_fraction=0.0))
+                             MonitorConfig(dominant_fraction=0.5, starved_fraction=0.0,
+                                           **JUDGE_EVERY_STEP))
     dominant, balanced = [6, 2, 1, 1], [3, 3, 2, 2]
     warnings = run_steps(monitor, router, [dominant, dominant, balanced, dominant])
     assert [len(w) for w in warnings] == [1, 0, 0, 1]
@@ -232,7 +239,8 @@ def test_stop_raises_one_line_error_after_logging_the_record(tmp_path):
     path = tmp_path / "routing.jsonl"
     router = FakeRouter(4, 9)
     monitor = RoutingMonitor(make_model(router),
-                             MonitorConfig(action="stop", jsonl_path=str(path)))
+                             MonitorConfig(action="stop", jsonl_path=str(path),
+                                           **JUDGE_EVERY_STEP))
     record(router, loads_batch([7, 1, 1, 1]))
     with pytest.raises(RoutingCollapseError) as info:
         monitor.step(5)
@@ -249,7 +257,8 @@ def test_jsonl_lines_parse_and_match_the_returned_dicts(tmp_path):
     path = tmp_path / "logs" / "nested" / "routing.jsonl"
     routers = [FakeRouter(4, 1), FakeRouter(4, 2)]
     monitor = RoutingMonitor(make_model(*routers),
-                             MonitorConfig(jsonl_path=str(path), starved_patience=1))
+                             MonitorConfig(jsonl_path=str(path), starved_patience=1,
+                                           **JUDGE_EVERY_STEP))
     results = []
     for it in (10, 20):
         for router in routers:

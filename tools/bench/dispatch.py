@@ -209,7 +209,6 @@ def bench_shape(args, tokens, width, num_experts, topk, routing, nodes, platform
 
     # Pairs and rows by destination, for bytes the dispatchers do not count themselves.
     pairs_to_rank = routing_map.view(tokens, world, per_rank).sum(-1)  # (token, expert) per rank
-    rows_to_rank = (pairs_to_rank > 0).sum(0).tolist()  # (token, rank) rows
     row_bytes = width * x.element_size()
     reference = run(variants["megatron_allgather"], backward=False)
     results = []

@@ -115,20 +115,40 @@ def worker(out_dir: str, argv: list[str]) -> None:
 # --- the benchmark ------------------------------------------------------------------------------
 
 
-def _measure(name: str, flags: list[str], work: str) -> list[dict]:
+COMMON = ["--model-config", "tiny", "--seq-length", str(SEQ), "--global-batch-size",
+          str(GLOBAL_BATCH), "--lr-warmup-iters", "0", "--eval-iters", "1", "--eval-interval",
+          "1000", "--save-interval", "1000", "--log-interval", "1000", "--no-tensorboard",
+          "--eval-accuracy-samples", "0", "--no-plots"]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+
+
+def _make_base(work: str) -> str:
+    """A base for the LoRA runs (random weights after one full step: memory does not care, and
+    LoRA refuses an unnamed base)."""
+    base = os.path.join(work, "base")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+               "--master-port", "29499", "-m", "megatron_slmoe.training.finetune", *COMMON,
+               "--finetune-mode", "full", "--data-format", "pretrain", "--train-iters", "1",
+               "--micro-batch-size", "4", "--output-dir", os.path.join(work, "base-run"),
+               "--save-base", base]
+    proc = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"making the base failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return base
+
+
+def _measure(name: str, flags: list[str], work: str, base: str) -> list[dict]:
     out = os.path.join(work, name)
     os.makedirs(out, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-port", str(29500 + abs(hash(name)) % 1000), os.path.abspath(__file__),
-               "--worker", out, "--",
-               "--model-config", "tiny", "--seq-length", str(SEQ),
-               "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERS),
-               "--lr-warmup-iters", "0", "--eval-iters", "1", "--eval-interval", "1000",
-               "--save-interval", "1000", "--log-interval", "1000", "--no-tensorboard",
-               "--output-dir", os.path.join(out, "run"), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+               "--worker", out, "--", *COMMON, "--train-iters", str(ITERS),
+               "--base-checkpoint", base, "--output-dir", os.path.join(out, "run"), *flags]
+    proc = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT)
     files = sorted(f for f in os.listdir(out) if f.startswith("rank"))
     if proc.returncode != 0 or len(files) != 2:
         raise RuntimeError(f"run {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -154,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = load_shape("tiny")
     work = args.work_dir or tempfile.mkdtemp(prefix="plan_accuracy-")
-    measured = {name: _measure(name, RUNS[name][0], work) for name in args.runs}
+    base = _make_base(work)
+    measured = {name: _measure(name, RUNS[name][0], work, base) for name in args.runs}
     # The CPU framework overhead, measured in the first run: what is live before a step beyond
     # the training state the memory model counts.
     first = measured[args.runs[0]]

@@ -1,0 +1,262 @@
+"""Generate answers with a base model and an optional LoRA adapter, in any parallel layout.
+
+    python -m megatron_slmoe.generate --base-checkpoint runs/demo/base \\
+        --adapter runs/demo/lora-X/adapter --prompts prompts.jsonl --output answers.jsonl
+    torchrun --nproc-per-node 2 -m megatron_slmoe.generate --expert-model-parallel-size 2 ...
+
+The base is a Megatron dist checkpoint (loaded into whatever layout the run has); the adapter is
+an adapter directory as fine-tuning writes it. Prompts: JSON lines, each ``{"prompt": "..."}``
+or ``{"messages": [...]}`` in the chat template of fine-tuning; a record that ends with the
+assistant's answer (``{"prompt", "response"}``, or messages ending with an assistant message) is
+answered without it and scored against it (exact match). Output: one JSON line per prompt, in
+input order, ``{"index", "prompt", "answer", "tokens", "reference", "exact_match"}``, written
+atomically by rank 0.
+
+Decoding: greedy by default; ``--temperature T`` samples from softmax(logits / T), ``--top-p P``
+keeps the smallest set of likely tokens with mass P; each prompt draws from its own generator
+(``--seed`` and its index), so answers do not depend on the layout or the batch. The KV cache is
+Megatron-Core's; ``--no-kv-cache`` recomputes the whole sequence at every step.
+
+Bad input (missing files, a malformed prompt record, an adapter for another model, a layout that
+does not divide the world) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from typing import Optional
+
+from megatron_slmoe.config.errors import ConfigError
+
+
+class BadInput(Exception):
+    """One line for the user, exit code 2."""
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="slmoe-generate", description=__doc__.splitlines()[0])
+    model = parser.add_argument_group("model")
+    model.add_argument("--model-config", default="tiny",
+                       help="packaged model config name or YAML file [default: tiny]")
+    model.add_argument("--base-checkpoint", required=True,
+                       help="Megatron dist checkpoint directory of the base model")
+    model.add_argument("--adapter", help="LoRA adapter directory (default: the base alone)")
+    model.add_argument("--tokenizer", help="tokenizer.json (default: the shipped one)")
+    model.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                       help="auto: bf16 on GPUs/NPUs, fp32 on CPU [default: auto]")
+    io = parser.add_argument_group("prompts and answers")
+    io.add_argument("--prompts", required=True, help="JSON lines of prompts (see above)")
+    io.add_argument("--output", required=True, help="JSON lines of answers, in prompt order")
+    decoding = parser.add_argument_group("decoding")
+    decoding.add_argument("--max-new-tokens", type=int, default=64,
+                          help="tokens generated per prompt at most [default: 64]")
+    decoding.add_argument("--temperature", type=float, default=0.0,
+                          help="0: greedy; > 0: sample [default: 0]")
+    decoding.add_argument("--top-p", type=float, default=1.0,
+                          help="nucleus sampling mass, with --temperature > 0 [default: 1.0]")
+    decoding.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")
+    decoding.add_argument("--batch-size", type=int, default=32,
+                          help="prompts per forward pass on each model replica [default: 32]")
+    decoding.add_argument("--no-kv-cache", action="store_true",
+                          help="recompute the whole sequence at every step (a reference)")
+    layout = parser.add_argument_group("parallel layout (under torchrun)")
+    layout.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    layout.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    layout.add_argument("--expert-model-parallel-size", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+# --- inputs --------------------------------------------------------------------------------------
+
+
+def read_prompts(path: str) -> list[list[dict]]:
+    """The conversations of a prompt file; a malformed record is a BadInput naming its line."""
+    from megatron_slmoe.data.instruction import ROLES, parse_record
+
+    if not os.path.isfile(path):
+        raise BadInput(f"--prompts {path}: no such file")
+    conversations = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if isinstance(record, dict) and "prompt" in record and "response" not in record:
+                    if not isinstance(record["prompt"], str):
+                        raise ValueError("prompt must be a string")
+                    messages = [{"role": "user", "content": record["prompt"]}]
+                elif (isinstance(record, dict) and isinstance(record.get("messages"), list)
+                      and record["messages"] and isinstance(record["messages"][-1], dict)
+                      and record["messages"][-1].get("role") == "user"):
+                    # A conversation waiting for the assistant: check it as a complete one would be.
+                    messages = parse_record({"messages": record["messages"]
+                                             + [{"role": "assistant", "content": "-"}]})[:-1]
+                else:
+                    messages = parse_record(record)
+            except ValueError as err:
+                raise BadInput(f"{path}:{number}: {err} (expected {{\"prompt\": ...}} or "
+                               f"{{\"messages\": [...]}} with roles {', '.join(ROLES)})") from None
+            conversations.append(messages)
+    if not conversations:
+        raise BadInput(f"--prompts {path}: no prompts")
+    return conversations
+
+
+def _check_args(args: argparse.Namespace, world_size: int) -> None:
+    for flag, path in (("--base-checkpoint", args.base_checkpoint), ("--adapter", args.adapter)):
+        if path is not None and not os.path.isdir(path):
+            raise BadInput(f"{flag} {path}: no such directory")
+    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
+        raise BadInput(f"--tokenizer {args.tokenizer}: no such file")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens),
+                        ("--batch-size", args.batch_size),
+                        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                        ("--expert-model-parallel-size", args.expert_model_parallel_size)):
+        if value < 1:
+            raise BadInput(f"{flag} must be >= 1, got {value}")
+    tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.expert_model_parallel_size)
+    if world_size % (tp * pp) or (world_size // pp) % ep:
+        raise BadInput(f"world size {world_size} does not fit --tensor-model-parallel-size {tp} x "
+                       f"--pipeline-model-parallel-size {pp} with --expert-model-parallel-size "
+                       f"{ep} dividing the ranks of a stage")
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def _build(args: argparse.Namespace, platform):
+    """This rank's stage of the base model (+ adapter), ready to generate."""
+    from megatron_slmoe.config.run import ModelSection, ParallelConfig
+    from megatron_slmoe.lora.adapter import AdapterError, load_adapter, read_adapter_config
+    from megatron_slmoe.lora.inject import inject_lora
+    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.training import model_setup
+
+    try:
+        model_config = load_model_config(args.model_config)
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size)
+        precision = model_setup.resolve_precision(ModelSection(precision=args.precision), platform)
+    except ConfigError as err:
+        raise BadInput(str(err)) from None
+    if "WORLD_SIZE" not in os.environ:  # a plain process, not under torchrun
+        from megatron_slmoe.platform.single_rank import init_single_rank
+
+        init_single_rank(args.seed)
+    model_setup.init_distributed(parallel, args.seed, platform)
+    model, _ = model_setup.build_model(model_config, parallel, precision == "bf16", platform)
+    try:
+        model_setup.load_base_weights(model, ModelSection(base_checkpoint=args.base_checkpoint))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001  (torch's CheckpointException is a BaseException)
+        raise BadInput(f"cannot load --base-checkpoint {args.base_checkpoint} as model config "
+                       f"{model_config.name}: {type(err).__name__}: "
+                       f"{' '.join(str(err).split())[:300]}") from None
+    if args.adapter:
+        try:
+            lora_config, _ = read_adapter_config(args.adapter)
+            inject_lora([model], lora_config)
+            load_adapter([model], args.adapter, base_info={"model_config": model_config.name})
+        except AdapterError as err:
+            raise BadInput(" ".join(str(err).split())) from None
+    return model, model_config
+
+
+def generate(args: argparse.Namespace) -> dict:
+    """Run the generation; returns the summary (rank 0 also writes the output file)."""
+    import torch
+    from megatron.core import parallel_state
+
+    import megatron_slmoe
+    from megatron_slmoe.data.assets import asset_path
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.inference import SamplingConfig, TextGenerator
+    from megatron_slmoe.training.evaluation import answer, exact_match, request_for
+    from megatron_slmoe.utils.atomic import write_text_atomic
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_args(args, world_size)
+    try:
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        tokenizer = load_tokenizer(args.tokenizer or asset_path("tokenizer.json"))
+    except (ValueError, DataError) as err:
+        raise BadInput(str(err)) from None
+    conversations = read_prompts(args.prompts)
+    requests = [request_for(tokenizer, m, args.max_new_tokens) for m in conversations]
+    model, model_config = _build(args, megatron_slmoe.PLATFORM)
+    for number, request in enumerate(requests):
+        length = len(request.prompt_ids) + request.max_new_tokens
+        if length > model_config.max_sequence_length:
+            raise BadInput(f"prompt {number} has {len(request.prompt_ids)} tokens; with "
+                           f"--max-new-tokens {request.max_new_tokens} that exceeds the model's "
+                           f"max_sequence_length {model_config.max_sequence_length}")
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    share = -(-len(requests) // dp_size)
+    first = min(dp_rank * share, len(requests))
+    mine = requests[first:first + share]
+    generator = TextGenerator(model, tokenizer.eos_id, tokenizer.vocab_size,
+                              max_batch_size=args.batch_size, use_kv_cache=not args.no_kv_cache)
+    answers = answer(generator, tokenizer, mine, sampling, first_index=first)
+    token_counts = [len(tokenizer.encode(a)) for a in answers]
+    shares = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(shares, (dp_rank, first, answers, token_counts))
+    summary = {"prompts": len(requests), "output": args.output, "scored": 0, "exact_match": 0}
+    if torch.distributed.get_rank() == 0:
+        by_index: dict[int, tuple[str, int]] = {}
+        for _, start, texts, counts in shares:
+            for offset, (text, count) in enumerate(zip(texts, counts)):
+                by_index[start + offset] = (text, count)
+        lines = []
+        for index, (messages, request) in enumerate(zip(conversations, requests)):
+            text, count = by_index[index]
+            record = {"index": index, "prompt": _last_user(messages), "answer": text,
+                      "tokens": count,
+                      "reference": request.reference, "exact_match": None}
+            if request.reference is not None:
+                record["exact_match"] = exact_match(text, request.reference)
+                summary["scored"] += 1
+                summary["exact_match"] += int(record["exact_match"])
+            lines.append(json.dumps(record, ensure_ascii=False))
+        write_text_atomic(args.output, "\n".join(lines) + "\n")
+    return summary
+
+
+def _last_user(messages: list[dict]) -> str:
+    return next(m["content"] for m in reversed(messages) if m["role"] == "user")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
+    warnings.simplefilter("ignore", FutureWarning)  # torch deprecations inside Megatron's loader
+    try:
+        summary = generate(args)
+    except BadInput as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        line = f"wrote {summary['prompts']} answers to {summary['output']}"
+        if summary["scored"]:
+            line += (f"; exact match {summary['exact_match']}/{summary['scored']} "
+                     f"({summary['exact_match'] / summary['scored']:.1%})")
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

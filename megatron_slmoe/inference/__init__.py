@@ -1,0 +1,6 @@
+"""Text generation with Megatron-Core's GPTModel and its KV cache, in any parallel layout."""
+
+from megatron_slmoe.inference.generator import TextGenerator
+from megatron_slmoe.inference.sampling import SamplingConfig
+
+__all__ = ["SamplingConfig", "TextGenerator"]
