@@ -239,7 +239,8 @@ setup(
         "hf": ["transformers>=5.24,<6", "peft==0.21.2"],
         # Storage pins: what the storage tests were run with. moto's server mode is their S3
         # endpoint (on 127.0.0.1, started by the tests themselves).
-        "test": ["pytest", "pytest-timeout", "transformers>=5.24,<6", "peft==0.21.2",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "transformers>=5.24,<6",
+                 "peft==0.21.2",
                  "moto[server]==5.2.5", "multi-storage-client[boto3]==1.3.1", "boto3==1.44.8"],
     },
     entry_points={"console_scripts": [

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.entry_point import losses as _losses
+from tests.helpers.entry_point import make_tiny_base
 from tests.helpers.s3_server import S3TestServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,16 +37,21 @@ COMMON = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size",
           "--train-data", f"s3://{BUCKET}/data/train/",
           "--valid-data", f"s3://{BUCKET}/data/eval.jsonl",
           "--tokenizer", f"s3://{BUCKET}/tokenizer/tokenizer.json",
+          "--base-checkpoint", f"s3://{BUCKET}/base/",
           "--output-url", f"s3://{BUCKET}/runs/lora", "--storage-retry-backoff", "0.2"]
 DATA_KEYS = ["data/train/part-000.jsonl", "data/train/part-001.jsonl", "data/eval.jsonl",
              "tokenizer/tokenizer.json"]
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    base = make_tiny_base(tmp_path_factory.mktemp("base"))  # LoRA adapts a trained base
     with S3TestServer() as server:
         client = server.client()
         client.create_bucket(Bucket=BUCKET)
+        for path in sorted(p for p in base.rglob("*") if p.is_file()):
+            client.put_object(Bucket=BUCKET, Key=f"base/{path.relative_to(base)}",
+                              Body=path.read_bytes())
         lines = (ASSETS / "digits_train.jsonl").read_text().splitlines(keepends=True)
         half = len(lines) // 2
         for key, body in [(DATA_KEYS[0], "".join(lines[:half])), (DATA_KEYS[1], "".join(lines[half:])),
@@ -60,14 +67,6 @@ def _finetune(server, args):
            "-m", "megatron_slmoe.training.finetune", *args]
     return subprocess.run(cmd, cwd=REPO, env={**os.environ, **server.env(), "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=600)
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    losses = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        losses[record["iteration"]] = record["loss"]
-    return losses
 
 
 def _stored(server, key: str) -> bytes:
