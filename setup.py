@@ -229,6 +229,7 @@ setup(
         "tensorboard",
         "megatron-energon>=7.4,<8",  # image-text datasets (WebDataset shards + energon metadata)
         "pillow",  # image decoding (torchvision is not needed)
+        "matplotlib>=3.8,<4",  # a run's pictures (training/plots.py, Agg backend)
     ],
     extras_require={
         "gpu": ["transformer-engine"],
