@@ -40,7 +40,6 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     from megatron_slmoe.training.model_setup import open_model
 
     _check_paths(run)
-    _check_base_model(run)
     _check_object_storage(run)
     # With --hf-checkpoint: config.json, the index and every shard's header, and (unless
     # --no-hf-shape-check) every tensor's shape against config.json.
@@ -51,6 +50,7 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     _check_data(run)
     _check_output_dir(run, platform)
     _check_memory(run, world_size, platform, model_config)
+    _check_base_model(run)  # last: a run with a specific problem hears of that one first
 
 
 def tokenizer_path(run: RunConfig) -> str:

@@ -58,6 +58,16 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in steps}
 
 
+def stand_in_base(path: Path) -> Path:
+    """A directory that passes the start-up check of a base checkpoint without holding weights
+    (Megatron's two metadata files, no model recorded): for tests that only validate a LoRA run,
+    which must name a base, of a model too large to save (the flagship)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (path / ".metadata").write_bytes(b"stand-in")
+    return path
+
+
 def make_tiny_base(root: Path) -> Path:
     """One full-training step of the tiny model on the shipped corpus, saved as a base."""
     proc = subprocess.run(

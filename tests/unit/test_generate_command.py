@@ -27,6 +27,8 @@ def saved(tmp_path_factory):
     from megatron_slmoe.config.run import LoRAConfig, ParallelConfig
     from megatron_slmoe.lora import inject_lora, lora_modules, save_adapter
     from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.data.assets import asset_path
+    from megatron_slmoe.data.tokenizer import load_tokenizer
     from megatron_slmoe.training.checkpointing import save_base_checkpoint
     from megatron_slmoe.training.model_setup import build_model
 
@@ -36,7 +38,8 @@ def saved(tmp_path_factory):
     torch.manual_seed(3)
     model, _ = build_model(load_model_config("tiny"), ParallelConfig(), False,
                            megatron_slmoe.PLATFORM)
-    save_base_checkpoint(model, str(root / "base"), "tiny")
+    save_base_checkpoint(model, str(root / "base"), "tiny",
+                         load_tokenizer(asset_path("tokenizer.json")))
     lora = LoRAConfig(rank=4, targets=["linear_qkv", "linear_fc1", "linear_fc2"])
     inject_lora([model], lora)
     gen = torch.Generator().manual_seed(0)

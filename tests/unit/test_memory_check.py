@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from tests.helpers.entry_point import stand_in_base
 
 FLAGSHIP = ["--validate-only", "--model-config", "flagship_2p8t", "--seq-length", "4096",
             "--global-batch-size", "512", "--micro-batch-size", "1", "--device-memory-gb", "64",
@@ -19,7 +20,7 @@ def world_512(monkeypatch, tmp_path):
     """512 ranks; the flagship's flags with a base named (LoRA needs one; the check loads none)."""
     monkeypatch.setenv("WORLD_SIZE", "512")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    return [*FLAGSHIP, "--base-checkpoint", str(tmp_path)]
+    return [*FLAGSHIP, "--base-checkpoint", str(stand_in_base(tmp_path / "base"))]
 
 
 def test_infeasible_layout_is_refused_with_the_nearest_that_fits(world_512, capsys):

@@ -32,8 +32,10 @@ def unit_aux_loss_scale():
     """Megatron keeps the aux-loss backward scale in a class attribute that a schedule sets."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    previous = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))  # the shape Megatron's schedules set
     yield
+    MoEAuxLossAutoScaler.main_loss_backward_scale = previous
 
 
 def _tokens(seed=0):

@@ -7,6 +7,7 @@ margin of the best held-out loss, reuses finished runs and draws their curves.""
 import json
 
 import pytest
+from tests.helpers.entry_point import stand_in_base
 
 STEPS = 40
 LAYERS = ("2", "3")
@@ -107,8 +108,7 @@ def test_rank_sweep_recommends_the_smallest_rank_within_the_margin(tmp_path, cap
     for rank, final in finals.items():
         _write_run(sweep / f"rank-{rank}", final_loss=final)
     # Finished runs are reused: no base, no training; the fine-tuning flags are still checked.
-    base = tmp_path / "base"
-    base.mkdir()
+    base = stand_in_base(tmp_path / "base")
     assert main(["--margin", "0.025", "--output-dir", str(sweep), "--",
                  "--base-checkpoint", str(base)]) == 0
     out = capsys.readouterr().out

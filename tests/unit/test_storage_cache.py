@@ -24,6 +24,7 @@ from megatron_slmoe.storage.preflight import check_readable, preflight_store
 from megatron_slmoe.storage.transfer import OutputMirror, download_tree, upload_tree
 from megatron_slmoe.storage.urls import parse_url
 from megatron_slmoe.utils.manifest import MANIFEST
+from tests.helpers.entry_point import stand_in_base
 from tests.helpers.s3_server import S3TestServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -292,25 +293,31 @@ def test_kill_during_download_leaves_nothing_trusted(s3_server, bucket, tmp_path
 # --- start-up checks ------------------------------------------------------------------------------
 
 
-def _validate_only(capsys, *flags) -> tuple[int, str]:
-    """The entry point's pre-launch check (as the launcher runs it before torchrun)."""
+def _validate_only(capsys, *flags, base: Path) -> tuple[int, str]:
+    """The entry point's pre-launch check (as the launcher runs it before torchrun) of a LoRA run
+    on a (stand-in) base."""
     import torch
 
     from megatron_slmoe.training.finetune import main
 
     initialised = torch.distributed.is_initialized()
-    code = main(["--validate-only", "--storage-preflight-timeout", "1", *flags])
+    code = main(["--validate-only", "--storage-preflight-timeout", "1",
+                 "--base-checkpoint", str(stand_in_base(base)), *flags])
     assert torch.distributed.is_initialized() == initialised  # no process group was formed
     return code, capsys.readouterr().err
 
 
 def test_start_up_check_names_the_flag_and_url_in_one_line_without_secrets(
-        s3_server, bucket, monkeypatch, capsys):
+        s3_server, bucket, monkeypatch, capsys, tmp_path):
     _put(s3_server, bucket, {"data/train.jsonl": b"{}\n"})
     good = f"s3://{bucket}/data/train.jsonl"
     secret = s3_server.secret_access_key
-    assert _validate_only(capsys, "--train-data", good, "--valid-data", f"s3://{bucket}/data/",
-                          "--output-url", f"s3://{bucket}/runs/x") == (0, "")
+
+    def validate(*flags):  # held-out data is needed with --train-data; a later flag overrides it
+        return _validate_only(capsys, "--valid-data", good, *flags, base=tmp_path / "base")
+
+    assert validate("--train-data", good, "--valid-data", f"s3://{bucket}/data/",
+                    "--output-url", f"s3://{bucket}/runs/x") == (0, "")
 
     cases = [
         ({"AWS_SECRET_ACCESS_KEY": "not-the-secret-0123"}, "--train-data", good,
@@ -328,7 +335,7 @@ def test_start_up_check_names_the_flag_and_url_in_one_line_without_secrets(
         with monkeypatch.context() as patch:
             for name, value in env.items():
                 patch.setenv(name, value)
-            code, err = _validate_only(capsys, flag, url)
+            code, err = validate(flag, url)
         assert code == 2 and err.count("\n") == 1, err
         assert err.startswith(f"error: {flag}: ") and url in err and reason in err, err
         assert secret not in err and s3_server.access_key_id not in err
@@ -336,7 +343,7 @@ def test_start_up_check_names_the_flag_and_url_in_one_line_without_secrets(
 
     with monkeypatch.context() as patch:  # installed without the s3 extra
         patch.setitem(sys.modules, "multistorageclient", None)
-        code, err = _validate_only(capsys, "--train-data", good)
+        code, err = validate("--train-data", good)
     assert (code, err) == (2, f"error: --train-data: {good}: object storage needs "
                               "multi-storage-client and boto3: pip install 'megatron-slmoe[s3]'\n")
 
