@@ -16,6 +16,7 @@ Set ``SLMOE_TEST_FRESH_RANKS=1`` to spawn new processes for every case instead.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import queue
 import shutil
@@ -57,6 +58,20 @@ def _end_case() -> None:
 
     parallel_state.destroy_model_parallel()
     get_moe_layer_wise_logging_tracker().clear()
+    _destroy_subgroups()
+
+
+def _destroy_subgroups() -> None:
+    """Free every process group but the pool's own. Megatron's destroy_model_parallel only drops
+    its references: torch keeps the groups registered, and each gloo group keeps its network
+    threads, so a long-lived rank would gather thousands of them (and their CPU time)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is not default:
+            torch.distributed.destroy_process_group(group)
+    gc.collect()
 
 
 def _serve(rank: int, world_size: int, port: int, tasks, done) -> None:
