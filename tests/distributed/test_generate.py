@@ -70,10 +70,13 @@ def reference_case(directory: str, prompts):
     from megatron_slmoe.config.run import LoRAConfig
     from megatron_slmoe.lora.adapter import save_adapter
     from megatron_slmoe.lora.inject import inject_lora, lora_modules
+    from megatron_slmoe.data.assets import asset_path
+    from megatron_slmoe.data.tokenizer import load_tokenizer
     from megatron_slmoe.training.checkpointing import save_base_checkpoint
 
     model = _build({})
-    save_base_checkpoint(model, str(Path(directory) / "base"), "tiny")
+    save_base_checkpoint(model, str(Path(directory) / "base"), "tiny",
+                         load_tokenizer(asset_path("tokenizer.json")))
     lora = LoRAConfig(rank=4, alpha=8.0, targets=["linear_qkv", "linear_proj", "linear_fc1",
                                                    "linear_fc2", "router", "latent"])
     inject_lora([model], lora)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.sysfs import ROCE_GIDS, fake_sysfs
+from tests.helpers.entry_point import stand_in_base
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--train-iters", "15", "--lr-warmup-iters", "0"]
@@ -32,8 +33,7 @@ def sandbox(tmp_path):
         env.pop(name, None)
     # never let a build-stamp mismatch reinstall a different torch because of the fake GPU tools
     env.update(TORCHRUN=str(fake), SLMOE_TORCH_SPEC=f"torch=={torch.__version__}")
-    base = tmp_path / "base"  # LoRA needs a named base; nothing is loaded in a dry run
-    base.mkdir()
+    base = stand_in_base(tmp_path / "base")  # LoRA needs a named base; a dry run loads none
     return {"env": env, "bin": bin_dir, "marker": marker, "tmp": tmp_path,
             "small": [*SMALL, "--base-checkpoint", str(base)]}
 
@@ -153,7 +153,7 @@ def test_bad_layout_is_one_line(sandbox, env, message):
 
 
 def test_restart_budget_and_fresh_store_for_restarts(sandbox):
-    proc = _launch(sandbox, ["--dry-run", "--no-preflight", *SMALL], MAX_RESTARTS="5")
+    proc = _launch(sandbox, ["--dry-run", "--no-preflight", *sandbox["small"]], MAX_RESTARTS="5")
     assert proc.returncode == 0, proc.stderr
     assert {"MAX_RESTARTS=5", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"} <= set(proc.stdout.splitlines())
     assert " --max-restarts 5 -m megatron_slmoe.training.finetune " in _commands(proc.stdout)["training"]
