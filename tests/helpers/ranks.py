@@ -54,10 +54,14 @@ def _start_case(layout: dict) -> None:
 
 def _end_case() -> None:
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        get_moe_layer_wise_logging_tracker,
+    )
 
     parallel_state.destroy_model_parallel()
     get_moe_layer_wise_logging_tracker().clear()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # see tests/unit/conftest.py
     _destroy_subgroups()
 
 

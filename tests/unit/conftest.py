@@ -22,3 +22,9 @@ def fresh_aux_loss_tracker():
     except ImportError:
         return
     get_moe_layer_wise_logging_tracker().clear()
+    # The aux-loss backward scale is a class attribute too: a backward outside a pipeline schedule
+    # creates it 0-d, and a schedule then copies its 1-element scale into it and fails. Whatever
+    # ran first must not decide that for the next test (test order varies under xdist).
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None

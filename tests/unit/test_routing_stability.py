@@ -32,10 +32,9 @@ def unit_aux_loss_scale():
     """Megatron keeps the aux-loss backward scale in a class attribute that a schedule sets."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    previous = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))  # the shape Megatron's schedules set
     yield
-    MoEAuxLossAutoScaler.main_loss_backward_scale = previous
 
 
 def _tokens(seed=0):
