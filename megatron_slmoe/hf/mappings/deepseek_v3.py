@@ -105,10 +105,7 @@ class DeepseekV3Family(Family):
                     transformer[field] = rope[hf_name]
         else:
             raise c.fail(f"rope_type {rope['rope_type']!r} is not supported (default or yarn)")
-        gpt = dict(vocab_size=c.int("vocab_size"),
-                   max_sequence_length=c.int("max_position_embeddings"),
-                   position_embedding_type="rope", rotary_base=int(rope["rope_theta"]),
-                   share_embeddings_and_output_weights=c.bool("tie_word_embeddings", False))
+        gpt = c.gpt_fields(rotary_base=rope["rope_theta"])
         return transformer, gpt
 
     def table(self, model_config):

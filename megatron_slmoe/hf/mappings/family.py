@@ -81,6 +81,15 @@ class ConfigReader:
         if not condition:
             raise self.fail(message)
 
+    def gpt_fields(self, rotary_base: Optional[float]) -> dict:
+        """The GPTModel arguments every family reads alike (``rotary_base`` None: no rotary
+        position embedding)."""
+        return dict(vocab_size=self.int("vocab_size"),
+                    max_sequence_length=self.int("max_position_embeddings"),
+                    position_embedding_type="none" if rotary_base is None else "rope",
+                    **({} if rotary_base is None else {"rotary_base": int(rotary_base)}),
+                    share_embeddings_and_output_weights=self.bool("tie_word_embeddings", False))
+
     def rope(self) -> dict:
         """The rotary settings, from transformers 5's ``rope_parameters`` or the older
         ``rope_theta`` / ``rope_scaling`` fields."""

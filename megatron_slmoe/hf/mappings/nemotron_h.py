@@ -102,10 +102,7 @@ class NemotronHFamily(Family):
         if c.int("n_shared_experts", 0, minimum=0):
             transformer["moe_shared_expert_intermediate_size"] = \
                 c.int("moe_shared_expert_intermediate_size")
-        gpt = dict(vocab_size=c.int("vocab_size"),
-                   max_sequence_length=c.int("max_position_embeddings"),
-                   position_embedding_type="none",
-                   share_embeddings_and_output_weights=c.bool("tie_word_embeddings", False))
+        gpt = c.gpt_fields(rotary_base=None)  # NemotronH has no position embedding
         return transformer, gpt
 
     def table(self, model_config):

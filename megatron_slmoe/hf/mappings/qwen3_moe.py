@@ -62,10 +62,7 @@ class Qwen3MoeFamily(Family):
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=c.number("router_aux_loss_coef", 0.001), moe_router_dtype="fp32",
         )
-        gpt = dict(vocab_size=c.int("vocab_size"),
-                   max_sequence_length=c.int("max_position_embeddings"),
-                   position_embedding_type="rope", rotary_base=int(rope["rope_theta"]),
-                   share_embeddings_and_output_weights=c.bool("tie_word_embeddings", False))
+        gpt = c.gpt_fields(rotary_base=rope["rope_theta"])
         return transformer, gpt
 
     def table(self, model_config):

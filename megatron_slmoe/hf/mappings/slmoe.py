@@ -62,10 +62,7 @@ class StableLatentMoeFamily(Family):
                 transformer[field] = c.int(hf_name)
         if c.get("router_topk_scaling_factor") is not None:
             transformer["moe_router_topk_scaling_factor"] = c.number("router_topk_scaling_factor")
-        gpt = dict(vocab_size=c.int("vocab_size"),
-                   max_sequence_length=c.int("max_position_embeddings"),
-                   position_embedding_type="rope", rotary_base=int(c.number("rope_theta", 1e4)),
-                   share_embeddings_and_output_weights=c.bool("tie_word_embeddings", False))
+        gpt = c.gpt_fields(rotary_base=c.number("rope_theta", 1e4))
         return transformer, gpt
 
     def table(self, model_config):
