@@ -46,31 +46,15 @@ def _vision():
 
 
 def _model(recompute: bool = False):
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_slmoe.model.multimodal import build_multimodal_model
     from megatron_slmoe.model.config import ModelConfig
+    from megatron_slmoe.model.multimodal import build_multimodal_model
+    from tests.helpers.lora_models import parallel_moe_config
 
-    tp = ps.get_tensor_model_parallel_world_size()
     extra = dict(recompute_granularity="full", recompute_method="uniform",
                  recompute_num_layers=1) if recompute else {}
-    config = TransformerConfig(
-        num_layers=2, moe_layer_freq=[0, 1], hidden_size=32, ffn_hidden_size=48,
-        num_attention_heads=4, num_query_groups=2, kv_channels=8,
-        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_latent_size=16,
-        moe_shared_expert_intermediate_size=24, moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True, moe_router_load_balancing_type="seq_aux_loss",
-        moe_aux_loss_coeff=1e-2, moe_router_dtype="fp32", moe_grouped_gemm=False,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-        sequence_parallel=tp > 1, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        bf16=False, deterministic_mode=True, **extra)
+    config = parallel_moe_config(**extra)
     model_config = ModelConfig(name="multimodal-parity", source="test", transformer={},
                                vocab_size=VOCAB, max_sequence_length=SEQ)
     model = build_multimodal_model(model_config, config, _vision(),

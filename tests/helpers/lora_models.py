@@ -82,3 +82,28 @@ def lora_config(**overrides):
     fields = dict(rank=4, alpha=8.0, targets=ALL_TARGETS)
     fields.update(overrides)
     return LoRAConfig(**fields)
+
+
+def parallel_moe_config(**extra):
+    """A tiny latent-MoE TransformerConfig (sigmoid router with expert bias, shared expert) for
+    the layout of the current parallel state: the parity tests' language model, in fp32."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    return TransformerConfig(
+        num_layers=2, moe_layer_freq=[0, 1], hidden_size=32, ffn_hidden_size=48,
+        num_attention_heads=4, num_query_groups=2, kv_channels=8,
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_latent_size=16,
+        moe_shared_expert_intermediate_size=24, moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=1e-2, moe_router_dtype="fp32", moe_grouped_gemm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        sequence_parallel=tp > 1, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        bf16=False, deterministic_mode=True, **extra)
