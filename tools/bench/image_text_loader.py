@@ -7,7 +7,9 @@ Two datasets, made in a temporary folder (or ``--data DIR`` for an energon datas
 
 Rows per dataset (one process, the way the trainer reads: sample i by random access):
   energon_loader  baseline: energon's own loader (get_val_dataset + get_loader, its default
-                  decoder: images to tensors, no tokenisation, no resize), sequential reads
+                  decoder: images to tensors, no tokenisation, no resize), sequential reads;
+                  chat datasets (energon's CrudeWebdataset) through a task encoder whose one
+                  cooker keeps the json and the decoded image parts
   read            energon's factory + tar index by random access, JSON parsed, images left as bytes
   decode          pillow decode + resize + normalise of the images alone (from read bytes)
   sample          ImageTextDataset[i]: read + decode + chat template + packing
@@ -39,6 +41,32 @@ from megatron_slmoe.data.image_text import ImageTextDataset, collate_image_text,
 from megatron_slmoe.data.image_text_prepare import ShardRecord, prepare_image_text
 from megatron_slmoe.data.tokenizer import load_tokenizer
 from megatron_slmoe.utils.atomic import write_json_atomic
+
+
+def _chat_task_encoder():
+    """Energon's DefaultTaskEncoder with a cooker for crude chat samples (energon refuses a crude
+    dataset without one): the json part and the images, decoded by energon's default decoder."""
+    from dataclasses import dataclass
+
+    from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, stateless
+
+    from megatron_slmoe.data.image_text import IMAGE_EXTENSIONS
+
+    @dataclass
+    class ChatSample(Sample):
+        json: dict
+        images: list
+
+    @stateless
+    def cook_chat(crude: dict) -> ChatSample:
+        names = sorted(k for k in crude if k.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS)
+        return ChatSample(**basic_sample_keys(crude), json=crude["json"],
+                          images=[crude[k] for k in names])
+
+    class ChatTaskEncoder(DefaultTaskEncoder):
+        cookers = [Cooker(cook=cook_chat)]
+
+    return ChatTaskEncoder()
 
 
 def make_photos(folder: str, count: int, size=(640, 480)) -> str:
@@ -82,7 +110,7 @@ def best_rate(fn, samples: int, repeats: int) -> float:
 def bench_dataset(name: str, path: str, preprocess: ImagePreprocessConfig, patch: int,
                   args) -> list[dict]:
     """Rows of one dataset; ``patch``: the tower's patch size (image positions per tile)."""
-    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+    from megatron.energon import CrudeSample, WorkerConfig, get_loader, get_val_dataset
 
     tokenizer = load_tokenizer(asset_path("tokenizer.json"))
     tokens_per_tile = (preprocess.img_h // patch) * (preprocess.img_w // patch)
@@ -96,12 +124,18 @@ def bench_dataset(name: str, path: str, preprocess: ImagePreprocessConfig, patch
     images = [bytes(v) for raw in raws for k, v in raw.items()
               if not k.startswith("__") and k.rsplit(".", 1)[-1] in ("png", "jpg")]
 
+    crude = issubclass(getattr(factory, "__sample_type__", object), CrudeSample)
+    encoder = {"task_encoder": _chat_task_encoder()} if crude else {}
+
+    # Built once, outside the timing (as the sample rows' dataset is): rows time reading only.
+    loader = get_loader(get_val_dataset(
+        path, split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        batch_size=1, limit=n, **encoder))
+
     def energon_loader():
-        wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
-        loader = get_loader(get_val_dataset(path, split_part="train", worker_config=wc,
-                                            batch_size=1, limit=n))
-        for _ in loader:
-            pass
+        count = sum(1 for _ in loader)
+        if count != n:
+            raise RuntimeError(f"energon's loader gave {count} samples, expected {n}")
 
     def read():
         for i in range(n):
