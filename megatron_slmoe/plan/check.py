@@ -82,7 +82,8 @@ def check_layout(model: Union[ModelConfig, ModelShape], settings: RunSettings,
                               lora_targets=settings.lora_targets,
                               moe_imbalance=settings.moe_imbalance,
                               micro_batch_sizes=tuple(sorted({1, settings.micro_batch_size})),
-                              hierarchical_alltoall=settings.hierarchical_alltoall)
+                              hierarchical_alltoall=settings.hierarchical_alltoall,
+                              vision=settings.vision)
         fitting = [v for v in (evaluate(shape, s, device)
                                for s in layouts(shape, device, settings.world_size, options))
                    if v.fits]

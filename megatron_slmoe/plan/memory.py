@@ -22,6 +22,10 @@ pipeline stage (the peak rank is the largest) with
   layer's backward and its all-to-all buffers, a recomputed layer);
 * ``framework_overhead`` and ``fragmentation`` of the device (see ``megatron_slmoe.plan.devices``).
 
+An image-text run (``settings.vision``) adds its vision tower and projector to the first stage:
+weights, adapters on them, what they keep for backward and their forward working set
+(``megatron_slmoe.plan.vision``).
+
 What is saved for backward follows Megatron-Core's local (non-TransformerEngine) layers that
 ``megatron_slmoe.moe.specs`` builds, with frozen base weights, LoRA on the targets, unfused
 attention (it keeps the softmax probabilities, S^2 per head), sequence parallelism with TP. Each
@@ -44,6 +48,7 @@ from megatron_slmoe.plan.model_shape import (
     output_parameters,
 )
 from megatron_slmoe.plan.settings import DTYPES, RunSettings
+from megatron_slmoe.plan.vision import vision_activations, vision_lora_parameters, vision_weights
 
 _FP32 = 4
 _INT64 = 8
@@ -178,6 +183,11 @@ def _static(shape: ModelShape, settings: RunSettings, stage: int) -> dict:
     first, last = stage == 0, stage == settings.pp - 1
     if first:
         run_dtype += embedding_parameters(shape) // settings.tp
+    if first and settings.vision is not None:  # LLaVAModel's tower and projector
+        w, n = vision_weights(settings.vision, shape.hidden, settings.tp)
+        run_dtype, norms = run_dtype + w, norms + n
+        lora_dense += vision_lora_parameters(settings.vision, shape.hidden, settings.lora_targets,
+                                             settings.lora_rank, settings.tp)
     if last:
         norms += shape.hidden * shape.norm_params
         # A tied output weight is a second copy on the last stage when it is not the first.
@@ -399,8 +409,13 @@ def _stage_activations(shape: ModelShape, s: RunSettings, stage: int) -> dict:
     rows = sum(layer.rows for layer in layers)
     in_flight = min(s.pp - stage, s.num_microbatches)
     # The worst moment on top of the held activations: the loss of the last micro-batch (its
-    # 16-bit logits beside the fp32 copy) or one layer's backward.
+    # 16-bit logits beside the fp32 copy), one layer's backward, or the vision tower's forward.
     events = {"backward": max(layer.backward_extra for layer in layers)}
+    if stage == 0 and s.vision is not None:
+        kept, working = vision_activations(s.vision, shape.hidden, s.lora_targets, s.lora_rank,
+                                           s.tp, s.micro_batch_size, s.element_size)
+        dense += kept
+        events["vision forward"] = working
     if last and s.element_size < _FP32:
         events["loss"] = shape.vocab // s.tp * s.element_size * t.full
     transient_event, transient = max(events.items(), key=lambda kv: kv[1])

@@ -21,6 +21,7 @@ from megatron_slmoe.plan.memory import (
 from megatron_slmoe.plan.model_shape import ModelShape
 from megatron_slmoe.plan.settings import DEFAULT_LORA_TARGETS, RunSettings
 from megatron_slmoe.plan.step_time import StepTime, estimate_step_time
+from megatron_slmoe.plan.vision import VisionShape
 
 RECOMPUTE_CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("none", ("core_attn",)),
@@ -44,12 +45,14 @@ class PlanOptions:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
     hierarchical_alltoall: Optional[bool] = None
     """None: hierarchical whenever the expert-parallel group spans nodes."""
+    vision: Optional[VisionShape] = None
+    """An image-text run's vision tower and projector (None: text)."""
 
     def settings(self, **layout) -> RunSettings:
         return RunSettings(seq_length=self.seq_length, global_batch_size=self.global_batch_size,
                            dtype=self.dtype, lora_rank=self.lora_rank,
                            lora_targets=self.lora_targets, moe_imbalance=self.moe_imbalance,
-                           **layout)
+                           vision=self.vision, **layout)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Optional
 from megatron_slmoe.config.run import DEFAULT_LORA_TARGETS, RunConfig
 from megatron_slmoe.plan._sources import LORA_TARGETS
 from megatron_slmoe.plan.model_shape import ModelShape
+from megatron_slmoe.plan.vision import VisionShape
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")
@@ -58,6 +59,8 @@ class RunSettings:
     """--moe-hierarchical-alltoall: inter-node hop once per destination node, then intra-node."""
     devices_per_node: int = 8
     """Ranks per node (LOCAL_WORLD_SIZE): which exchanges cross nodes."""
+    vision: Optional[VisionShape] = None
+    """--task image-text: the vision tower and projector (on the first stage); None: text."""
 
     @property
     def world_size(self) -> int:
@@ -134,6 +137,13 @@ class RunSettings:
                             ("shared-expert FFN width", shape.shared_ffn or self.tp)):
             if count % self.tp:
                 return f"--tensor-model-parallel-size {self.tp} does not divide the {count} {what}"
+        if self.vision is not None:
+            for what, count in (("vision attention heads", self.vision.heads),
+                                ("vision FFN width", self.vision.ffn_hidden),
+                                ("projector FFN width", self.vision.projector_ffn)):
+                if count % self.tp:
+                    return (f"--tensor-model-parallel-size {self.tp} does not divide the "
+                            f"{count} {what}")
         if shape.experts and shape.experts % self.ep:
             return (f"--expert-model-parallel-size {self.ep} does not divide the "
                     f"{shape.experts} experts")
@@ -171,4 +181,6 @@ class RunSettings:
             global_batch_size=run.schedule.global_batch_size, dtype=dtype,
             lora_rank=run.lora.rank, lora_targets=tuple(run.lora.targets),
             hierarchical_alltoall=run.moe.hierarchical_alltoall,
-            devices_per_node=devices_per_node or world_size)
+            devices_per_node=devices_per_node or world_size,
+            vision=(VisionShape.from_config(run.vision, run.image_text)
+                    if run.data.task == "image-text" else None))

@@ -1,0 +1,145 @@
+"""The vision tower and projector of an image-text run, priced like the language model.
+
+``VisionShape.from_config(vision, image_text)`` reads the run's ``vision`` and
+``image_text`` sections; ``vision_parameters`` counts what Megatron-Core's ``CLIPViTModel`` and
+``MultimodalProjector`` hold (a unit test holds it equal to the built modules), and
+``vision_memory`` what they add to the first pipeline stage, where LLaVAModel puts them.
+
+The tower sees its own tokens: ``patches (+ class token)`` per tile, ``tiles_per_sample`` tiles
+per sample. The language model's sequence already counts the image positions (``--seq-length`` is
+the combined length), so its estimate does not change. Frozen tower and projector (the default)
+keep nothing for backward: their input needs no gradient. LoRA on ``vision_attention`` or
+``projector`` makes autograd keep the layers' activations, as for the language model's layers.
+
+Functions take d, the language model's width (the projector's output). Symbols: h tower width, F tower MLP width, p patch side, P projector inner width, d language
+width, s tokens per tile, n tiles per micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    layers: int
+    hidden: int
+    heads: int
+    ffn_hidden: int
+    patch_dim: int
+    patches: int
+    """Patches per tile."""
+    class_token: bool
+    """CLIP's class token (SigLIP has none; it has a conv bias and ln_post instead of ln_pre)."""
+    drop_class_token: bool
+    """The class token is dropped before the projector."""
+    projector: str
+    """mlp (fc1 -> GELU -> fc2) or affine."""
+    projector_ffn: int
+    tiles_per_sample: int
+    """Tiles of one sample's image (one image per sample)."""
+
+    @classmethod
+    def from_config(cls, vision, image_text) -> "VisionShape":
+        """From the run's ``vision`` and ``image_text`` sections."""
+        return cls(layers=vision.num_layers, hidden=vision.hidden_size,
+                   heads=vision.num_attention_heads, ffn_hidden=vision.ffn_hidden_size,
+                   patch_dim=vision.patch_dim,
+                   patches=(vision.img_h // vision.patch_dim) * (vision.img_w // vision.patch_dim),
+                   class_token=vision.model_type == "clip",
+                   drop_class_token=vision.drop_class_token, projector=vision.projector_type,
+                   projector_ffn=vision.projector_ffn_hidden_size,
+                   tiles_per_sample=image_text.max_tiles + (1 if image_text.thumbnail else 0))
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Tokens the tower sees per tile."""
+        return self.patches + (1 if self.class_token else 0)
+
+    @property
+    def projected_per_tile(self) -> int:
+        """Tokens the projector maps per tile (language positions of a tile)."""
+        return self.patches + (1 if self.class_token and not self.drop_class_token else 0)
+
+
+def _tower_split(v: VisionShape) -> tuple[int, int]:
+    """(tensor-parallel parameters, replicated parameters) of the tower."""
+    h, f = v.hidden, v.ffn_hidden
+    per_layer_split = 3 * h * h + 3 * h + h * h + h * f + f + f * h  # qkv, proj, fc1, fc2 (+ biases)
+    per_layer_replicated = 2 * h + 4 * h  # proj and fc2 biases, two LayerNorms (weight, bias)
+    # conv1, position embeddings, and either CLIP's class token and ln_pre or SigLIP's conv1
+    # bias and ln_post (h + 2h both ways)
+    embed = 3 * v.patch_dim ** 2 * h + v.tokens_per_tile * h + 3 * h
+    return v.layers * per_layer_split, v.layers * per_layer_replicated + embed
+
+
+def _projector_split(v: VisionShape, d: int) -> tuple[int, int]:
+    """(tensor-parallel parameters, replicated parameters) of the projector into width d."""
+    h, p = v.hidden, v.projector_ffn
+    if v.projector == "affine":
+        return h * d + d, 0
+    return h * p + p + p * d, d  # fc1 (column), fc2 (row; its bias replicated)
+
+
+def vision_parameters(v: VisionShape, language_hidden: int) -> dict[str, int]:
+    """Parameters of the tower and the projector (whole model, no parallelism)."""
+    return {"vision_tower": sum(_tower_split(v)),
+            "projector": sum(_projector_split(v, language_hidden))}
+
+
+def vision_lora_parameters(v: VisionShape, d: int, targets, rank: int, tp: int) -> int:
+    """LoRA parameters on one rank for the ``vision_attention`` / ``projector`` targets: A [r, in]
+    and B [out, r] per adapted linear (column-parallel: B split; row-parallel: A split)."""
+    h, p = v.hidden, v.projector_ffn
+    total = 0
+    if "vision_attention" in targets:  # linear_qkv (column), linear_proj (row)
+        total += v.layers * (rank * h + 3 * h // tp * rank + rank * h // tp + h * rank)
+    if "projector" in targets:
+        if v.projector == "affine":
+            total += rank * h + d // tp * rank
+        else:  # fc1 (column), fc2 (row)
+            total += rank * h + p // tp * rank + rank * p // tp + d * rank
+    return total
+
+
+def vision_weights(v: VisionShape, d: int, tp: int) -> tuple[int, int]:
+    """(run-dtype parameters, fp32 LayerNorm parameters) of tower and projector on one rank."""
+    tower_split, tower_rest = _tower_split(v)
+    proj_split, proj_rest = _projector_split(v, d)
+    norms = v.layers * 4 * v.hidden + 2 * v.hidden  # two per layer, plus ln_pre or ln_post
+    return tower_split // tp + tower_rest - norms + proj_split // tp + proj_rest, norms
+
+
+def vision_activations(v: VisionShape, d: int, targets, rank: int, tp: int,
+                       micro_batch_size: int, element_size: int) -> tuple[int, int]:
+    """(kept for backward, forward working set) of one micro-batch's images on one rank.
+
+    Kept: nothing unless LoRA adapts the tower's attention or the projector; then, per layer from
+    the first adapted one on, what Megatron's local ViT layer saves (LayerNorm inputs in fp32,
+    q/k/v, fp32 softmax probabilities and their copy, context, fc1 output and GELU output, the
+    LoRA inputs and their r-wide intermediates), and the projector's inputs and inner activations.
+    The working set: one layer's forward at a time (the frozen case's peak on top)."""
+    b, h, f = element_size, v.hidden, v.ffn_hidden
+    tiles = micro_batch_size * v.tiles_per_sample
+    tokens = tiles * v.tokens_per_tile
+    heads = v.heads // tp
+    probs = _FP32 + (b if b < _FP32 else 0)
+    layer = (2 * (_FP32 * h + _FP32) * tokens  # two LayerNorms' inputs and rsqrt
+             + (3 * h // tp + h // tp) * b * tokens  # q, k, v; the context
+             + heads * v.tokens_per_tile ** 2 * tiles * probs  # softmax probabilities
+             + (h + 2 * f // tp) * b * tokens)  # fc1's input, output, GELU's output
+    working = layer
+    kept = 0
+    if "vision_attention" in targets:
+        lora = (h + rank + h // tp + rank) * b * tokens  # qkv's and proj's LoRA inputs, r each
+        kept += v.layers * (layer + lora)
+    if "projector" in targets or "vision_attention" in targets:
+        inner = 0 if v.projector == "affine" else 2 * v.projector_ffn // tp
+        kept += (h + inner) * b * tiles * v.projected_per_tile
+        if "projector" in targets:
+            kept += (2 * rank + (0 if v.projector == "affine" else v.projector_ffn // tp)) * b \
+                * tiles * v.projected_per_tile
+        working = max(working, (h + inner + d) * b * tiles * v.projected_per_tile)
+    return kept, working
