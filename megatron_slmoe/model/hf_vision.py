@@ -1,8 +1,7 @@
 """Import a Hugging Face CLIP or SigLIP vision tower into the multimodal model's CLIPViTModel.
 
-Self-contained for now: the Hugging Face mapping registry (``megatron_slmoe/hf/``) is being built
-for language models on another branch; :data:`CLIP_MAPPINGS` / :data:`SIGLIP_MAPPINGS` are plain
-tables (wildcard names, one conversion kind per tensor) meant to move into it.
+The name tables (Hugging Face <-> Megatron, one conversion kind per tensor) live with the other
+Hugging Face mappings, in ``megatron_slmoe/hf/mappings/vision.py``; this module reads them.
 
 * :func:`vision_config_from_hf` turns a transformers ``CLIPVisionConfig`` / ``SiglipVisionConfig``
   (or the ``vision_config`` of a full CLIP/SigLIP config) into a :class:`VisionConfig`;
@@ -25,47 +24,9 @@ from typing import Callable, Dict, List, Mapping, Tuple
 
 import torch
 
+from megatron_slmoe.hf.mappings.vision import HF_ACTIVATIONS, HF_PREFIXES, VISION_MAPPINGS
 from megatron_slmoe.model.multimodal import VisionConfig
 
-# (Hugging Face name, Megatron name under vision_model., kind); "*" is the layer index.
-_LAYER = [
-    ("encoder.layers.*.layer_norm1.weight", "decoder.layers.*.input_layernorm.weight", "copy"),
-    ("encoder.layers.*.layer_norm1.bias", "decoder.layers.*.input_layernorm.bias", "copy"),
-    ("encoder.layers.*.self_attn.{q,k,v}_proj.weight",
-     "decoder.layers.*.self_attention.linear_qkv.weight", "qkv"),
-    ("encoder.layers.*.self_attn.{q,k,v}_proj.bias",
-     "decoder.layers.*.self_attention.linear_qkv.bias", "qkv"),
-    ("encoder.layers.*.self_attn.out_proj.weight",
-     "decoder.layers.*.self_attention.linear_proj.weight", "copy"),
-    ("encoder.layers.*.self_attn.out_proj.bias",
-     "decoder.layers.*.self_attention.linear_proj.bias", "copy"),
-    ("encoder.layers.*.layer_norm2.weight", "decoder.layers.*.pre_mlp_layernorm.weight", "copy"),
-    ("encoder.layers.*.layer_norm2.bias", "decoder.layers.*.pre_mlp_layernorm.bias", "copy"),
-    ("encoder.layers.*.mlp.fc1.weight", "decoder.layers.*.mlp.linear_fc1.weight", "copy"),
-    ("encoder.layers.*.mlp.fc1.bias", "decoder.layers.*.mlp.linear_fc1.bias", "copy"),
-    ("encoder.layers.*.mlp.fc2.weight", "decoder.layers.*.mlp.linear_fc2.weight", "copy"),
-    ("encoder.layers.*.mlp.fc2.bias", "decoder.layers.*.mlp.linear_fc2.bias", "copy"),
-]
-CLIP_MAPPINGS = [
-    ("embeddings.class_embedding", "class_token", "class_token"),
-    ("embeddings.patch_embedding.weight", "conv1.weight", "copy"),
-    ("embeddings.position_embedding.weight", "position_embeddings.weight", "copy"),
-    ("pre_layrnorm.weight", "ln_pre.weight", "copy"),  # sic: transformers' spelling
-    ("pre_layrnorm.bias", "ln_pre.bias", "copy"),
-    *_LAYER,
-]
-SIGLIP_MAPPINGS = [
-    ("embeddings.patch_embedding.weight", "conv1.weight", "copy"),
-    ("embeddings.patch_embedding.bias", "conv1.bias", "copy"),
-    ("embeddings.position_embedding.weight", "position_embeddings.weight", "copy"),
-    *_LAYER,
-    ("post_layernorm.weight", "ln_post.weight", "copy"),
-    ("post_layernorm.bias", "ln_post.bias", "copy"),
-]
-MAPPINGS = {"clip": CLIP_MAPPINGS, "siglip": SIGLIP_MAPPINGS}
-_HF_ACTIVATIONS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                   "gelu_new": "gelu_tanh"}
-_PREFIXES = ("vision_model.", "model.vision_model.", "")
 
 
 class HFImportError(ValueError):
@@ -80,10 +41,10 @@ def vision_config_from_hf(hf_config, **overrides) -> VisionConfig:
     kind = "siglip" if "siglip" in model_type else "clip" if "clip" in model_type else None
     if kind is None:
         raise HFImportError(f"vision model type {model_type!r} is neither CLIP nor SigLIP")
-    activation = _HF_ACTIVATIONS.get(getattr(hf, "hidden_act", None))
+    activation = HF_ACTIVATIONS.get(getattr(hf, "hidden_act", None))
     if activation is None:
         raise HFImportError(f"vision activation {hf.hidden_act!r} is not supported "
-                            f"(supported: {', '.join(_HF_ACTIVATIONS)})")
+                            f"(supported: {', '.join(HF_ACTIVATIONS)})")
     values = dict(model_type=kind, img_h=hf.image_size, img_w=hf.image_size,
                   patch_dim=hf.patch_size, num_layers=hf.num_hidden_layers,
                   hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
@@ -149,17 +110,17 @@ class _SafetensorsFolder:
 
 def _prefix(names, mappings) -> str:
     first = mappings[-1][0].replace("*", "0").replace("{q,k,v}", "q")
-    for prefix in _PREFIXES:
+    for prefix in HF_PREFIXES:
         if prefix + first in names:
             return prefix
     raise HFImportError(f"no vision tower tensors found (looked for {first!r} under "
-                        f"{', '.join(repr(p) for p in _PREFIXES if p)} or at the top level)")
+                        f"{', '.join(repr(p) for p in HF_PREFIXES if p)} or at the top level)")
 
 
 def megatron_vision_tensors(hf_tensors: Mapping[str, torch.Tensor], vision: VisionConfig
                             ) -> Dict[str, torch.Tensor]:
     """Full (unsharded) tensors of the tower named as in CLIPViTModel, from Hugging Face names."""
-    mappings = MAPPINGS[vision.model_type]
+    mappings = VISION_MAPPINGS[vision.model_type]
     prefix = _prefix(set(hf_tensors.keys()), mappings)
     out = {}
     for hf_pattern, megatron_pattern, kind in mappings:
