@@ -12,6 +12,7 @@ megatron_slmoe.storage).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -21,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from megatron_slmoe.utils.atomic import write_json_atomic
+from megatron_slmoe.utils.atomic import write_json_atomic, write_text_atomic
 from megatron_slmoe.utils.redact import redact_mapping
 
 log = logging.getLogger("megatron_slmoe.training")
@@ -169,7 +170,6 @@ class Trainer:
         self.writer = None
         if self.rank == 0:
             from megatron_slmoe.config.cli import to_yaml
-            from megatron_slmoe.utils.atomic import write_text_atomic
 
             write_text_atomic(os.path.join(self.output_dir, "config.yaml"), to_yaml(run))
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -531,12 +531,17 @@ class Trainer:
         collective."""
         if not self.task:
             return None
-        accuracy, shown = self.task.answer_accuracy(
+        accuracy, answers = self.task.answer_accuracy(
             self.ddp, self.run_config.schedule.micro_batch_size, self.platform.device())
         if accuracy is not None:
             self._info(f"[finetune] held-out answer accuracy {when}: {accuracy:.3f}")
-            for prompt, answer, reference in shown:
+            for prompt, answer, reference in answers[:3]:
                 self._info(f"[finetune]   {prompt!r} -> {answer!r} (reference {reference!r})")
+            if self.rank == 0:  # every answer, for a closer look (answers_before_training.jsonl)
+                write_text_atomic(
+                    os.path.join(self.output_dir, f"answers_{when.replace(' ', '_')}.jsonl"),
+                    "".join(json.dumps({"prompt": p, "answer": a, "reference": r}) + "\n"
+                            for p, a, r in answers))
         return accuracy
 
     def _export_hf(self, adapter_dir: str) -> None:

@@ -241,8 +241,8 @@ class ImageTextTask:
 
     def answer_accuracy(self, model, micro_batch_size: int, device: torch.device):
         """Exact-match accuracy of greedy answers to the first ``eval_answers`` held-out prompts
-        (None when switched off or for captioning data), with a few examples for the log;
-        collective."""
+        (None when switched off or for captioning data), and every (prompt, answer, reference)
+        of the data-parallel ranks together, in split order; collective."""
         from megatron.core import parallel_state
 
         limit = self.settings.eval_answers
@@ -272,9 +272,12 @@ class ImageTextTask:
         answers = [tokenizer.decode(ids) for ids in generated[:len(mine)]]
         correct, total = exact_match_accuracy(answers, [a for _, a in mine])
         correct, total = all_reduce_counts(correct, total, device)
-        shown = [(tokenizer.decode([t for t in p.tokens if t >= 0]), a, r)
-                 for (p, r), a in zip(mine[:3], answers)]
-        return correct / max(total, 1), shown
+        ours = [(tokenizer.decode([t for t in p.tokens if t >= 0]), a, r)
+                for (p, r), a in zip(mine, answers)]
+        everyone = [None] * dp
+        torch.distributed.all_gather_object(everyone, ours,
+                                            group=parallel_state.get_data_parallel_group())
+        return correct / max(total, 1), [row for rows in everyone for row in rows]
 
     def bad_samples(self) -> dict:
         """Distinct bad records skipped so far by reason, over the data-parallel ranks (train +

@@ -1,7 +1,8 @@
 """An image-text LoRA run of the entry point's trainer (Trainer.run on 2 pool ranks, EP 2) on an
 energon dataset with bad records in its shards: the run finishes, names each bad record with its
 shard and key in the log, counts them in metrics.jsonl and summary.json (each distinct record
-once, whichever rank met it), and reports the held-out loss and answer accuracy before and after.
+once, whichever rank met it), and reports the held-out loss and answer accuracy before and after
+(with every answer in answers_{before,after}_training.jsonl).
 (The torchrun launch itself is the text runs' test; `bash scripts/pretrain_lora.sh --task
 image-text` is the demo.)"""
 
@@ -97,3 +98,13 @@ def test_image_text_lora_run_reports_bad_samples_and_accuracy(tmp_path):
         assert 0.0 <= summary[key] <= 1.0
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
     assert "held-out answer accuracy" in log
+    # Every held-out answer (both data-parallel ranks' share; one record is undecodable), scored
+    # as the summary's accuracy.
+    from megatron_slmoe.data.shapes import score_answers
+
+    for when in ("before", "after"):
+        path = out / f"answers_{when}_training.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(rows) == 4 and all(set(r) == {"prompt", "answer", "reference"} for r in rows)
+        correct, total = score_answers(str(path))["all"]
+        assert correct / total == summary[f"accuracy_{when}"]
