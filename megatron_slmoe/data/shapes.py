@@ -95,6 +95,33 @@ def question(scene: Scene, rng: random.Random) -> Tuple[str, str]:
     return "How many shapes are there?", COUNT_WORDS[len(scene)]
 
 
+_KIND_OPENINGS = {"What colour": "colour", "Which shape": "shape", "Where is": "position",
+                  "How many": "count"}
+
+
+def question_kind(prompt: str) -> str:
+    """The kind of a question of this task (in a prompt as the run's answers file shows it)."""
+    user = prompt.rsplit("\n", 1)[-1] if "\n" in prompt else prompt
+    for opening, kind in _KIND_OPENINGS.items():
+        if opening in user:
+            return kind
+    raise ValueError(f"not a question of the shapes task: {prompt!r}")
+
+
+def score_answers(path: str) -> Dict[str, Tuple[int, int]]:
+    """(correct, total) exact-match answers by question kind, and ``all``, of a run's answers
+    file (``answers_after_training.jsonl``: prompt, answer, reference per line)."""
+    scores = {kind: [0, 0] for kind in (*QUESTION_KINDS, "all")}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            hit = int(row["answer"].strip() == row["reference"].strip())
+            for kind in (question_kind(row["prompt"]), "all"):
+                scores[kind][0] += hit
+                scores[kind][1] += 1
+    return {kind: (c, t) for kind, (c, t) in scores.items() if t}
+
+
 def _rng(seed: int, split: str, index: int) -> random.Random:
     return random.Random(f"{seed}:{split}:{index}")
 
@@ -175,9 +202,22 @@ def ensure_shapes_task(out_dir: str, seed: int = SEED) -> Dict[str, str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output folder (must not exist)")
+    parser.add_argument("--out", help="output folder (must not exist)")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--score", nargs="+", metavar="ANSWERS",
+                        help="instead: print the accuracy by question kind of runs' answers files")
     args = parser.parse_args(argv)
+    if args.score:
+        for path in args.score:
+            try:
+                scores = score_answers(path)
+            except (OSError, ValueError, KeyError) as err:
+                parser.error(f"--score {path}: {err}")
+            print(f"{path}: " + ", ".join(f"{kind} {c / t:.3f} ({c}/{t})"
+                                          for kind, (c, t) in scores.items()))
+        return 0
+    if not args.out:
+        parser.error("--out is required (or --score)")
     if os.path.exists(args.out):
         parser.error(f"--out {args.out} already exists")
     paths = generate(args.out, args.seed)

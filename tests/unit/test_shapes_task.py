@@ -1,0 +1,50 @@
+"""The synthetic shapes task of the multimodal demo: captions describe every shape of their scene,
+questions have one right answer that the scene determines, and a run's answers
+files are scored by question kind."""
+
+import json
+import random
+
+import pytest
+
+from megatron_slmoe.data import shapes
+
+
+def _scenes(count: int):
+    return [shapes.make_scene(random.Random(f"test:{i}")) for i in range(count)]
+
+
+def test_captions_name_every_shape_with_its_colour_and_position_in_reading_order():
+    for scene in _scenes(50):
+        parts = shapes.caption(scene).split(", ")
+        assert parts == [f"{c} {s} {shapes.POSITIONS[q]}" for q, c, s in sorted(scene)]
+
+
+def test_questions_are_answered_by_their_scene():
+    for i, scene in enumerate(_scenes(200)):
+        user, answer = shapes.question(scene, random.Random(i))
+        kind = shapes.question_kind(user)
+        by_position = {shapes.POSITIONS[q]: (c, s) for q, c, s in scene}
+        if kind == "count":
+            assert answer == str(len(scene))
+        elif kind == "position":
+            assert answer in by_position and by_position[answer][1] in user
+        elif kind == "colour":
+            (shape,) = [s for _, s in by_position.values() if user.endswith(f" {s}?")]
+            assert (answer, shape) in by_position.values()
+        else:
+            (colour,) = [c for c, _ in by_position.values() if user.endswith(f" {c}?")]
+            assert (colour, answer) in by_position.values()
+
+
+def test_answers_files_are_scored_by_question_kind(tmp_path):
+    shapes.generate(str(tmp_path / "task"), captions=40, vqa_train=40, vqa_eval=12)
+    held_out = json.loads((tmp_path / "task" / "vqa_eval.json").read_text())
+    rows = [{"prompt": r["conversations"][0]["value"], "reference": r["conversations"][1]["value"],
+             "answer": r["conversations"][1]["value"] if i % 2 else "wrong"}
+            for i, r in enumerate(held_out)]
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scores = shapes.score_answers(str(answers))
+    assert scores["all"] == (6, 12)
+    assert sum(t for kind, (_, t) in scores.items() if kind != "all") == 12
