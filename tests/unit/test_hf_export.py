@@ -192,10 +192,16 @@ def _peft_made_adapter(family, directory):
     pattern, a dense MLP parameter and the fused experts; returns its logits."""
     from peft import LoraConfig, get_peft_model
 
+    experts = {"nemotron_h": ["mixer.experts.up_proj", "mixer.experts.down_proj"],
+               "stable_latent_moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    dense = {"qwen3_moe": ["model.layers.0.mlp.up_proj.weight"],
+             "deepseek_v3": ["model.layers.0.mlp.up_proj.weight"],
+             "nemotron_h": ["model.layers.3.mixer.up_proj.weight"], "stable_latent_moe": []}
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "q_proj", "v_proj"]
-                        if family == "qwen3_moe" else ["o_proj"],
-                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
-                                           "model.layers.0.mlp.up_proj.weight"],
+                        if family != "deepseek_v3" else ["o_proj"],
+                        target_parameters=experts.get(family, ["mlp.experts.gate_up_proj",
+                                                               "mlp.experts.down_proj"])
+                        + dense[family],
                         rank_pattern={"o_proj": 2}, alpha_pattern={"o_proj": 3},
                         init_lora_weights=False)
     model = get_peft_model(hf_models.build(family), config).eval()
@@ -203,7 +209,7 @@ def _peft_made_adapter(family, directory):
     return hf_models.hf_logits(model, hf_models.tokens())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", hf_models.FAMILY_NAMES)
 def test_peft_adapter_imported_gives_peft_logits(tmp_path, family):
     from megatron_slmoe.hf.convert import build_model_in_layout
     from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
@@ -216,7 +222,7 @@ def test_peft_adapter_imported_gives_peft_logits(tmp_path, family):
     model, _ = build_model_in_layout(hf.model_config)
     load_hf_weights([model], str(tmp_path / "hf"), hf)
     config = load_adapter([model], str(tmp_path / "adapter"))
-    assert config.rank == (8 if family == "qwen3_moe" else 4)  # q and v stack in linear_qkv
+    assert config.rank == (4 if family == "deepseek_v3" else 8)  # q and v stack in linear_qkv
     torch.testing.assert_close(hf_models.megatron_logits(model, hf_models.tokens()), peft_logits,
                                rtol=1e-5, atol=2e-5)
 
