@@ -1,6 +1,7 @@
 """Adapters out of a parallel run: 10 LoRA steps from ``--hf-checkpoint`` on 2 ranks with EP=2
 and, separately, TP=2 (sequence parallel, expert TP 1), for Qwen3-MoE and DeepSeek-V3 (MLA,
-shared experts); the Qwen3-MoE TP=2 run starts from an adapter PEFT made (``--adapter-init``).
+shared experts), and NemotronH (TP=2) and the Stable Latent MoE (EP=2), both latent MoEs; the
+Qwen3-MoE TP=2 run starts from an adapter PEFT made (``--adapter-init``).
 Then ``--export-hf``: PEFT loads the exported adapter on transformers' model and gives the
 fine-tuned Megatron model's logits, computed on the ranks in their layout (fp32); the merged
 export loaded with ``AutoModelForCausalLM`` gives them too; the base weights gathered from the
@@ -11,8 +12,8 @@ ranks after the 10 steps, and both ranks clip with the same grad norm. (Regressi
 lacked Megatron's ``tensor_model_parallel`` mark, so TP rank 1 left them out of the expert grad
 norm, clipped by another factor and drifted from rank 0.)
 
-The other expert layout, NemotronH and the Stable Latent MoE family are exported single-process
-in ``tests/unit/test_hf_export.py`` (the adapter file is the same whatever the run's layout)."""
+The per-expert layout is exported single-process in ``tests/unit/test_hf_export.py`` (the adapter
+file is the same whatever the run's layout)."""
 
 import pytest
 import torch
@@ -93,7 +94,7 @@ def _peft_adapter(family, directory):
 
 
 CASES = [("qwen3_moe", "ep2"), ("qwen3_moe", "tp2-from-peft"), ("deepseek_v3", "ep2"),
-         ("deepseek_v3", "tp2")]
+         ("deepseek_v3", "tp2"), ("nemotron_h", "tp2"), ("stable_latent_moe", "ep2")]
 
 
 @pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{l}" for f, l in CASES])
