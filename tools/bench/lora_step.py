@@ -385,11 +385,12 @@ def run_world(args, world: int) -> list[dict]:
             if i >= args.warmup:
                 times[name].append(elapsed.item())
 
-    # Profiled steps, round-robin like the timed ones; the profiler slows small ops most, so the
-    # breakdown is also given as shares of the profiled step and scaled to the timed step.
     cpu_total = torch.tensor([cpu_s[name] for name in trainers], dtype=torch.float64)
     torch.distributed.all_reduce(cpu_total)
     cpu_ms = {name: v / world / args.reps * 1e3 for name, v in zip(trainers, cpu_total.tolist())}
+
+    # Profiled steps, round-robin like the timed ones; the profiler slows small ops most, so the
+    # breakdown is also given as shares of the profiled step and scaled to the timed step.
     stage_sums = {name: torch.zeros(len(STAGES), dtype=torch.float64) for name in trainers}
     collectives = {}
     profiled_names = [n for n in trainers if agree[n] <= 1e-4] if args.profile_steps else []
