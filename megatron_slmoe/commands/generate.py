@@ -77,32 +77,31 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def read_prompts(path: str) -> list[list[dict]]:
     """The conversations of a prompt file; a malformed record is a BadInput naming its line."""
     from megatron_slmoe.data.instruction import ROLES, parse_record
+    from megatron_slmoe.utils.jsonl import numbered_records
 
     if not os.path.isfile(path):
         raise BadInput(f"--prompts {path}: no such file")
     conversations = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if isinstance(record, dict) and "prompt" in record and "response" not in record:
-                    if not isinstance(record["prompt"], str):
-                        raise ValueError("prompt must be a string")
-                    messages = [{"role": "user", "content": record["prompt"]}]
-                elif (isinstance(record, dict) and isinstance(record.get("messages"), list)
-                      and record["messages"] and isinstance(record["messages"][-1], dict)
-                      and record["messages"][-1].get("role") == "user"):
-                    # A conversation waiting for the assistant: check it as a complete one would be.
-                    messages = parse_record({"messages": record["messages"]
-                                             + [{"role": "assistant", "content": "-"}]})[:-1]
-                else:
-                    messages = parse_record(record)
-            except ValueError as err:
-                raise BadInput(f"{path}:{number}: {err} (expected {{\"prompt\": ...}} or "
-                               f"{{\"messages\": [...]}} with roles {', '.join(ROLES)})") from None
-            conversations.append(messages)
+    for number, record in numbered_records(path):
+        try:
+            if isinstance(record, ValueError):
+                raise record
+            if isinstance(record, dict) and "prompt" in record and "response" not in record:
+                if not isinstance(record["prompt"], str):
+                    raise ValueError("prompt must be a string")
+                messages = [{"role": "user", "content": record["prompt"]}]
+            elif (isinstance(record, dict) and isinstance(record.get("messages"), list)
+                  and record["messages"] and isinstance(record["messages"][-1], dict)
+                  and record["messages"][-1].get("role") == "user"):
+                # A conversation waiting for the assistant: check it as a complete one would be.
+                messages = parse_record({"messages": record["messages"]
+                                         + [{"role": "assistant", "content": "-"}]})[:-1]
+            else:
+                messages = parse_record(record)
+        except ValueError as err:
+            raise BadInput(f"{path}:{number}: {err} (expected {{\"prompt\": ...}} or "
+                           f"{{\"messages\": [...]}} with roles {', '.join(ROLES)})") from None
+        conversations.append(messages)
     if not conversations:
         raise BadInput(f"--prompts {path}: no prompts")
     return conversations
