@@ -31,11 +31,8 @@ import sys
 import warnings
 from typing import Optional
 
+from megatron_slmoe.commands.cli import BadInput, user_errors
 from megatron_slmoe.config.errors import ConfigError
-
-
-class BadInput(Exception):
-    """One line for the user, exit code 2."""
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -134,7 +131,11 @@ def _check_args(args: argparse.Namespace, world_size: int) -> None:
 def _build(args: argparse.Namespace, platform):
     """This rank's stage of the base model (+ adapter), ready to generate."""
     from megatron_slmoe.config.run import ModelSection, ParallelConfig
-    from megatron_slmoe.lora.adapter import AdapterError, load_adapter, read_adapter_config
+    from megatron_slmoe.lora.adapter import (
+        AdapterError,
+        load_adapter,
+        read_adapter_config,
+    )
     from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.model.config import load_model_config
     from megatron_slmoe.training import model_setup
@@ -238,16 +239,13 @@ def _last_user(messages: list[dict]) -> str:
     return next(m["content"] for m in reversed(messages) if m["role"] == "user")
 
 
+@user_errors()
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
     warnings.simplefilter("ignore", FutureWarning)  # torch deprecations inside Megatron's loader
-    try:
-        summary = generate(args)
-    except BadInput as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    summary = generate(args)
     if int(os.environ.get("RANK", "0")) == 0:
         line = f"wrote {summary['prompts']} answers to {summary['output']}"
         if summary["scored"]:
