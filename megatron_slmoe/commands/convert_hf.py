@@ -32,6 +32,8 @@ import os
 import sys
 import warnings
 
+from megatron_slmoe.commands.cli import BadInput, user_errors
+
 _DTYPES = ("fp32", "bf16")
 
 
@@ -77,10 +79,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                              help="the HF checkpoint directory of its base model")
     imp_adapter.add_argument("--output", required=True, help="new (or empty) directory")
     return parser.parse_args(argv)
-
-
-class BadInput(Exception):
-    """One line for the user, exit code 2."""
 
 
 def _check_output(path: str) -> str:
@@ -193,24 +191,15 @@ def run_import_adapter(args) -> str:
         raise BadInput(str(err)) from None
 
 
+@user_errors()
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
     warnings.simplefilter("ignore", FutureWarning)
-    try:
-        import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+    import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
 
-        output = {"export": run_export, "import-adapter": run_import_adapter,
-                  "import": run_import}[args.command](args)
-    except BadInput as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # noqa: BLE001
-        platform = sys.modules.get("megatron_slmoe.platform")
-        if platform is not None and isinstance(err, platform.PlatformError):
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
+    output = {"export": run_export, "import-adapter": run_import_adapter,
+              "import": run_import}[args.command](args)
     if args.command == "export":
         print(f"exported {args.adapter or args.hf_checkpoint} -> {output}")
     elif args.command == "import-adapter":

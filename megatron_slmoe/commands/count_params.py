@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 
+from megatron_slmoe.commands.cli import user_errors
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.model.census import count_parameters
 from megatron_slmoe.model.config import load_model_config
@@ -56,14 +57,11 @@ def _table(census: dict) -> str:
     return "\n".join(lines)
 
 
+@user_errors(ConfigError)
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
-    try:
-        model_config = load_model_config(args.config)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    model_config = load_model_config(args.config)
     start = time.perf_counter()
     census = count_parameters(model_config)
     census = {

@@ -31,11 +31,8 @@ import sys
 import warnings
 from typing import Optional
 
+from megatron_slmoe.commands.cli import BadInput, user_errors
 from megatron_slmoe.config.errors import ConfigError
-
-
-class BadInput(Exception):
-    """One line for the user, exit code 2."""
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -77,32 +74,31 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def read_prompts(path: str) -> list[list[dict]]:
     """The conversations of a prompt file; a malformed record is a BadInput naming its line."""
     from megatron_slmoe.data.instruction import ROLES, parse_record
+    from megatron_slmoe.utils.jsonl import numbered_records
 
     if not os.path.isfile(path):
         raise BadInput(f"--prompts {path}: no such file")
     conversations = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if isinstance(record, dict) and "prompt" in record and "response" not in record:
-                    if not isinstance(record["prompt"], str):
-                        raise ValueError("prompt must be a string")
-                    messages = [{"role": "user", "content": record["prompt"]}]
-                elif (isinstance(record, dict) and isinstance(record.get("messages"), list)
-                      and record["messages"] and isinstance(record["messages"][-1], dict)
-                      and record["messages"][-1].get("role") == "user"):
-                    # A conversation waiting for the assistant: check it as a complete one would be.
-                    messages = parse_record({"messages": record["messages"]
-                                             + [{"role": "assistant", "content": "-"}]})[:-1]
-                else:
-                    messages = parse_record(record)
-            except ValueError as err:
-                raise BadInput(f"{path}:{number}: {err} (expected {{\"prompt\": ...}} or "
-                               f"{{\"messages\": [...]}} with roles {', '.join(ROLES)})") from None
-            conversations.append(messages)
+    for number, record in numbered_records(path):
+        try:
+            if isinstance(record, ValueError):
+                raise record
+            if isinstance(record, dict) and "prompt" in record and "response" not in record:
+                if not isinstance(record["prompt"], str):
+                    raise ValueError("prompt must be a string")
+                messages = [{"role": "user", "content": record["prompt"]}]
+            elif (isinstance(record, dict) and isinstance(record.get("messages"), list)
+                  and record["messages"] and isinstance(record["messages"][-1], dict)
+                  and record["messages"][-1].get("role") == "user"):
+                # A conversation waiting for the assistant: check it as a complete one would be.
+                messages = parse_record({"messages": record["messages"]
+                                         + [{"role": "assistant", "content": "-"}]})[:-1]
+            else:
+                messages = parse_record(record)
+        except ValueError as err:
+            raise BadInput(f"{path}:{number}: {err} (expected {{\"prompt\": ...}} or "
+                           f"{{\"messages\": [...]}} with roles {', '.join(ROLES)})") from None
+        conversations.append(messages)
     if not conversations:
         raise BadInput(f"--prompts {path}: no prompts")
     return conversations
@@ -135,7 +131,11 @@ def _check_args(args: argparse.Namespace, world_size: int) -> None:
 def _build(args: argparse.Namespace, platform):
     """This rank's stage of the base model (+ adapter), ready to generate."""
     from megatron_slmoe.config.run import ModelSection, ParallelConfig
-    from megatron_slmoe.lora.adapter import AdapterError, load_adapter, read_adapter_config
+    from megatron_slmoe.lora.adapter import (
+        AdapterError,
+        load_adapter,
+        read_adapter_config,
+    )
     from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.model.config import load_model_config
     from megatron_slmoe.training import model_setup
@@ -239,16 +239,13 @@ def _last_user(messages: list[dict]) -> str:
     return next(m["content"] for m in reversed(messages) if m["role"] == "user")
 
 
+@user_errors()
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
     warnings.simplefilter("ignore", FutureWarning)  # torch deprecations inside Megatron's loader
-    try:
-        summary = generate(args)
-    except BadInput as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    summary = generate(args)
     if int(os.environ.get("RANK", "0")) == 0:
         line = f"wrote {summary['prompts']} answers to {summary['output']}"
         if summary["scored"]:

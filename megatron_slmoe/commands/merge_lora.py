@@ -25,6 +25,8 @@ import os
 import sys
 import warnings
 
+from megatron_slmoe.commands.cli import BadInput, user_errors
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,10 +40,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", required=True,
                         help="directory for the merged dist checkpoint (must not exist, or be empty)")
     return parser.parse_args(argv)
-
-
-class BadInput(Exception):
-    """One line for the user, exit code 2."""
 
 
 def _one_line(err: BaseException) -> str:
@@ -155,15 +153,12 @@ def _tokenizer_info(base: str) -> dict:
         raise BadInput(_one_line(err)) from None
 
 
+@user_errors()
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
     warnings.simplefilter("ignore", FutureWarning)  # torch deprecations inside Megatron's loader
-    try:
-        output = merge(args)
-    except BadInput as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    output = merge(args)
     print(f"merged {args.adapter} into {args.base_checkpoint} -> {output}")
     return 0
 

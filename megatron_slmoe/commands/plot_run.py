@@ -14,19 +14,18 @@ import argparse
 import sys
 from typing import Optional
 
+from megatron_slmoe.commands.cli import user_errors
 
+
+@user_errors("megatron_slmoe.training.plots.RunDataError")
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="slmoe-plot-run", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the output directory of a run")
     parser.add_argument("--out-dir", help="where the PNGs go [default: RUN_DIR/plots]")
     args = parser.parse_args(argv)
-    from megatron_slmoe.training.plots import RunDataError, plot_run
+    from megatron_slmoe.training.plots import plot_run
 
-    try:
-        paths = plot_run(args.run_dir, args.out_dir)
-    except RunDataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    paths = plot_run(args.run_dir, args.out_dir)
     for path in paths:
         print(path)
     return 0

@@ -17,6 +17,8 @@ import json
 import logging
 import sys
 
+from megatron_slmoe.commands.cli import user_errors
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,24 +33,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@user_errors("megatron_slmoe.data.errors.DataError")
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    try:
-        import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-        from megatron_slmoe.data.pretrain import preprocess
-        from megatron_slmoe.data.tokenizer import load_tokenizer
+    import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+    from megatron_slmoe.data.pretrain import preprocess
+    from megatron_slmoe.data.tokenizer import load_tokenizer
 
-        logging.getLogger("megatron").setLevel(logging.ERROR)
-        tokenizer = load_tokenizer(args.tokenizer)
-        stats = preprocess(args.input, tokenizer, args.output_prefix, json_key=args.json_key,
-                           document_per_line=args.document_per_line, append_eos=not args.no_eos)
-    except Exception as err:  # noqa: BLE001  (bad input: one line; anything else: traceback)
-        data = sys.modules.get("megatron_slmoe.data.errors")
-        if data is not None and isinstance(err, data.DataError):
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    tokenizer = load_tokenizer(args.tokenizer)
+    stats = preprocess(args.input, tokenizer, args.output_prefix, json_key=args.json_key,
+                       document_per_line=args.document_per_line, append_eos=not args.no_eos)
     summary = {"input": args.input, "output_prefix": args.output_prefix, **stats.__dict__}
     if args.json:
         print(json.dumps(summary))

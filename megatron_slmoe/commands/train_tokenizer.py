@@ -14,6 +14,8 @@ import argparse
 import logging
 import sys
 
+from megatron_slmoe.commands.cli import user_errors
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,21 +27,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@user_errors("megatron_slmoe.data.errors.DataError")
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-        from megatron_slmoe.data.tokenizer import train_tokenizer
+    import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+    from megatron_slmoe.data.tokenizer import train_tokenizer
 
-        logging.getLogger("megatron").setLevel(logging.ERROR)
-        tokenizer = train_tokenizer(args.input, args.vocab_size, args.output,
-                                    min_frequency=args.min_frequency)
-    except Exception as err:  # noqa: BLE001  (bad input: one line; anything else: traceback)
-        data = sys.modules.get("megatron_slmoe.data.errors")
-        if data is not None and isinstance(err, data.DataError):
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        raise
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    tokenizer = train_tokenizer(args.input, args.vocab_size, args.output,
+                                min_frequency=args.min_frequency)
     specials = " ".join(f"{tok}={tid}" for tok, tid in tokenizer.special_tokens.items())
     print(f"wrote {args.output}: vocab_size {tokenizer.vocab_size}, special tokens {specials}")
     return 0

@@ -54,7 +54,6 @@ Epochs: with ``num_samples`` larger than the number of packed rows, sample ``i``
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -65,6 +64,7 @@ import torch
 
 from megatron_slmoe.data.errors import DataError, require_file
 from megatron_slmoe.data.tokenizer import Tokenizer
+from megatron_slmoe.utils.jsonl import numbered_records
 
 logger = logging.getLogger(__name__)
 
@@ -169,33 +169,28 @@ def read_instruction_jsonl(path: str, stats: Optional[InstructionStats] = None,
     stats = stats if stats is not None else InstructionStats()
     examples: List[List[Message]] = []
     warned = skipped_here = 0
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            stats.records += 1
-            try:
+    for lineno, record in numbered_records(path, errors="surrogateescape"):
+        stats.records += 1
+        try:
+            if isinstance(record, ValueError):
+                raise _Malformed("bad json", f"bad json ({record})")
+            messages = parse_record(record)
+            for m in messages:   # undecodable bytes survive as lone surrogates
                 try:
-                    record = json.loads(line)
-                except ValueError as exc:
-                    raise _Malformed("bad json", f"bad json ({exc})") from None
-                messages = parse_record(record)
-                for m in messages:   # undecodable bytes survive as lone surrogates
-                    try:
-                        m["content"].encode("utf-8")
-                    except UnicodeEncodeError:
-                        raise _Malformed("invalid utf-8", "text is not valid UTF-8") from None
-            except _Malformed as exc:
-                key, reason = exc.key, str(exc)
-                stats.malformed += 1
-                stats.by_reason[key] = stats.by_reason.get(key, 0) + 1
-                skipped_here += 1
-                if warned < max_warnings:
-                    warned += 1
-                    logger.warning("%s:%d: skipped malformed record: %s", path, lineno, reason)
-                continue
-            stats.examples += 1
-            examples.append(messages)
+                    m["content"].encode("utf-8")
+                except UnicodeEncodeError:
+                    raise _Malformed("invalid utf-8", "text is not valid UTF-8") from None
+        except _Malformed as exc:
+            key, reason = exc.key, str(exc)
+            stats.malformed += 1
+            stats.by_reason[key] = stats.by_reason.get(key, 0) + 1
+            skipped_here += 1
+            if warned < max_warnings:
+                warned += 1
+                logger.warning("%s:%d: skipped malformed record: %s", path, lineno, reason)
+            continue
+        stats.examples += 1
+        examples.append(messages)
     if skipped_here > warned:
         logger.warning("%s: %d more malformed records skipped (not shown)", path, skipped_here - warned)
     return examples

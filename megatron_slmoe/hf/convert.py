@@ -28,7 +28,11 @@ def build_model_in_layout(model_config, params_dtype: torch.dtype = torch.float3
     from megatron.core import parallel_state
 
     from megatron_slmoe.config.run import ParallelConfig
-    from megatron_slmoe.model.build import build_gpt_model, run_transformer_config
+    from megatron_slmoe.model.build import (
+        build_gpt_model,
+        mark_tensor_parallel_weights,
+        run_transformer_config,
+    )
 
     parallel = ParallelConfig(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -40,6 +44,7 @@ def build_model_in_layout(model_config, params_dtype: torch.dtype = torch.float3
     model = build_gpt_model(model_config, config,
                             pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage())
+    mark_tensor_parallel_weights(model)
     return model, config
 
 

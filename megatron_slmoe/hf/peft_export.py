@@ -9,15 +9,17 @@ PEFT's key names (``base_model.model.<HF module>.lora_A.weight``), written one t
 Two expert layouts (``--expert-layout``):
 
 * ``per-expert``: every routed expert's projections as modules
-  (``model.layers.1.mlp.experts.5.gate_proj``), as checkpoints store them; what vLLM loads, and
-  what PEFT loads on transformers 5 by converting it to the fused form (where no dense MLP or
-  shared expert is adapted: PEFT's conversion takes every ``gate_proj``/``up_proj``/``down_proj``
-  target for an expert projection);
+  (``model.layers.1.mlp.experts.5.gate_proj``), as checkpoints store them; what vLLM loads. PEFT
+  loads it on transformers 5 (which holds experts fused) only for the model types it converts
+  (Qwen2/3-MoE, DeepSeek): it then reads every ``gate_proj``/``up_proj``/``down_proj`` target as
+  expert LoRA, so a dense MLP or shared expert with those names is refused here, as is a
+  non-Linear module PEFT cannot adapt (a router it does not convert); for other types (NemotronH,
+  the Stable Latent MoE) the export warns that PEFT would leave the expert LoRA out;
 * ``fused``: PEFT's ``target_parameters`` on transformers 5's 3D expert tensors
   (``mlp.experts.gate_up_proj`` [E, 2F, d]): A [E*r, in] expert-major, B [out, r*E] rank-major,
   as ``peft.tuners.lora.ParamWrapper`` reads them. The other MLP weights (dense, shared experts,
   router) are ``target_parameters`` too, so PEFT's conversion leaves them alone; attention
-  projections stay modules.
+  projections stay modules. Every family loads this form in PEFT.
 
 The mapping is ``mappings.lora`` over the family's weight table (one place for both).
 """
@@ -25,6 +27,7 @@ The mapping is ``mappings.lora`` over the family's weight table (one place for b
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -40,6 +43,8 @@ from megatron_slmoe.hf.safetensors_stream import (
     WindowedReader,
     write_streamed,
 )
+
+log = logging.getLogger(__name__)
 
 LAYOUTS = ("per-expert", "fused")
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -103,19 +108,25 @@ def plan_targets(loras: list[HFLoRA], hf: HFModel, meta, layout: str) -> list[Pe
     modules = dict(meta.named_modules())
     targets: list[PeftTarget] = []
     fused: dict[str, dict[int, list]] = {}
+    fused_in_memory = False  # per-expert LoRA on experts transformers holds as 3D tensors
+    conversion = _peft_conversion(hf) if layout == "per-expert" else None
+    # Module names PEFT turns into LoRA on the fused 3D experts (a dense gate_proj too).
+    peft_expert_targets = {old for old, new in (conversion or {}).items()
+                           if any(p.endswith(f".experts.{new}") for p in params)}
     for lora in loras:
         if lora.expert is not None and layout == "fused":
-            found = None
-            for rule in hf.family.layouts.fused:
-                found = rule.to_fused(lora.hf_weight) or rule.to_fused(_renamed(hf, lora.hf_weight))
-                if found:
-                    break
-            if found is None or found[0] not in params:
+            # The checkpoint's name or its in-memory rename (NemotronH: backbone. -> model.).
+            found = next((f for name in (lora.hf_weight, _renamed(hf, lora.hf_weight))
+                          for rule in hf.family.layouts.fused
+                          if (f := rule.to_fused(name)) and f[0] in params), None)
+            if found is None:
                 raise HFCheckpointError(f"LoRA on Megatron {lora.megatron}: {lora.hf_weight} has "
                                         f"no fused 3D tensor in {type(meta).__name__}")
             fused.setdefault(found[0], {}).setdefault(found[1], []).append((found[2], lora))
             continue
         if lora.expert is not None:  # per-expert: checkpoint names, one module per expert
+            if _in_memory(hf, lora.hf_weight, params) not in params:
+                fused_in_memory = True
             targets.append(PeftTarget(lora.hf_weight[:-len(".weight")], None, ((lora,),), 1))
             continue
         name = _in_memory(hf, lora.hf_weight, params)
@@ -126,8 +137,24 @@ def plan_targets(loras: list[HFLoRA], hf: HFModel, meta, layout: str) -> list[Pe
         is_linear = isinstance(modules.get(module), torch.nn.Linear)
         if layout == "fused" and (not is_linear or ".mlp." in name):
             targets.append(PeftTarget(module, name.rpartition(".")[2], ((lora,),), 1))
+        elif peft_expert_targets and module.rpartition(".")[2] in peft_expert_targets:
+            raise HFCheckpointError(
+                f"LoRA on Megatron {lora.megatron}: PEFT {_peft_version()} reads every "
+                f"{module.rpartition('.')[2]} target of a per-expert adapter of "
+                f"{type(meta).__name__} as expert LoRA, so {module} cannot be exported per "
+                f"expert: export with --expert-layout fused")
+        elif not is_linear and module.rpartition(".")[2] not in (conversion or {}):
+            raise HFCheckpointError(
+                f"LoRA on Megatron {lora.megatron}: {module} is a "
+                f"{type(modules.get(module)).__name__}, which PEFT adapts only as a target "
+                f"parameter: export it with --expert-layout fused")
         else:
             targets.append(PeftTarget(module, None, ((lora,),), 1))
+    if fused_in_memory and conversion is None:
+        log.warning("per-expert layout: %s holds its experts fused and PEFT %s converts a "
+                    "per-expert adapter only for other model types, so PEFT on transformers "
+                    "would leave the expert LoRA out; for PEFT export --expert-layout fused",
+                    type(meta).__name__, _peft_version())
     for name, experts in fused.items():
         count = params[name].shape[0]
         if sorted(experts) != list(range(count)):
@@ -145,6 +172,27 @@ def plan_targets(loras: list[HFLoRA], hf: HFModel, meta, layout: str) -> list[Pe
             raise HFCheckpointError(f"{name}: transposed expert tensors are not supported")
         targets.append(PeftTarget(module, parameter, tuple(per_expert), count))
     return _nest(targets, modules)
+
+
+def _peft_version() -> str:
+    from importlib.metadata import version
+
+    return version("peft")
+
+
+def _peft_conversion(hf: HFModel) -> Optional[dict]:
+    """The module renames PEFT applies when it loads a per-expert adapter of this model type on
+    transformers' model (``gate_proj`` -> ``gate_up_proj``, ``gate`` -> ``gate.weight``, ...), or
+    None where it converts nothing for this type. PEFT keeps that table privately: where it
+    cannot be read, an empty dict (it converts; the names are unknown)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+
+        model_type = hf.family.hf_config(hf.checkpoint.config_path).model_type
+        return conversion._MOE_TARGET_MODULE_MAPPING.get(
+            conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type))
+    except (ImportError, AttributeError):
+        return {}
 
 
 def _renamed(hf: HFModel, name: str) -> str:

@@ -165,12 +165,8 @@ def megatron_modules(hf: HFModel, weights: dict) -> list[tuple[str, str, int, in
         kind = rule.kind.inner if per_expert else rule.kind
         for layer in range(layers):
             for expert in range(experts if per_expert else 1):
-                names = {"layer": layer, "expert": expert}
-                try:
-                    hf_names = [t.format(**names) for t in kind.hf_templates()]
-                except KeyError:  # names derived from the layer (NemotronH's block pairs)
-                    raise HFCheckpointError(f"PEFT adapter import does not support the "
-                                            f"{hf.family.name} family") from None
+                names = table.names({"layer": layer, "expert": expert})
+                hf_names = [t.format(**names) for t in kind.hf_templates()]
                 if not all(n in weights for n in hf_names):
                     continue
                 out = sum(weights[n][0] for n in dict.fromkeys(hf_names))

@@ -20,8 +20,10 @@ it rank-locally, ``mappings/slmoe.py`` is its table):
 
 Experts are held fused as 3D tensors (``experts.gate_up_proj`` ``[E, 2F, L]`` gate rows first, or
 ``experts.up_proj`` ``[E, F, L]``; ``experts.down_proj`` ``[E, L, F]``), the layout transformers 5
-uses in memory, and saved that way. This module needs only torch and transformers, so it can travel
-with a checkpoint.
+uses in memory. On disk they are one tensor per expert (``experts.3.gate_proj.weight``), as for
+Qwen3-MoE: the conversion registered below makes ``from_pretrained`` fuse them and
+``save_pretrained`` split them again (``save_original_format=False`` saves them fused; both
+load). This module needs only torch and transformers, so it can travel with a checkpoint.
 """
 
 from __future__ import annotations
@@ -408,3 +410,26 @@ class StableLatentMoeForCausalLM(StableLatentMoePreTrainedModel, GenerationMixin
 
 AutoConfig.register(MODEL_TYPE, StableLatentMoeConfig, exist_ok=True)
 AutoModelForCausalLM.register(StableLatentMoeConfig, StableLatentMoeForCausalLM, exist_ok=True)
+
+
+def _register_expert_conversion() -> None:
+    """Per-expert tensors on disk <-> fused 3D experts in memory, as transformers does for
+    Qwen3-MoE (gated: gate rows then up rows, ``[E, 2F, L]``; non-gated: ``up_proj``)."""
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    register_checkpoint_conversion_mapping(MODEL_TYPE, [
+        WeightConverter(source_patterns=["mlp.experts.*.gate_proj.weight",
+                                         "mlp.experts.*.up_proj.weight"],
+                        target_patterns="mlp.experts.gate_up_proj",
+                        operations=[MergeModulelist(dim=0), Concatenate(dim=1)]),
+        WeightConverter(source_patterns="mlp.experts.*.up_proj.weight",
+                        target_patterns="mlp.experts.up_proj",
+                        operations=[MergeModulelist(dim=0)]),
+        WeightConverter(source_patterns="mlp.experts.*.down_proj.weight",
+                        target_patterns="mlp.experts.down_proj",
+                        operations=[MergeModulelist(dim=0)]),
+    ], overwrite=True)
+
+
+_register_expert_conversion()

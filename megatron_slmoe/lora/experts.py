@@ -1,5 +1,5 @@
 """LoRA on the routed experts: per local expert A/B for fc1 and fc2 on the fused grouped op, marked
-``allreduce = False`` (reduced over expert-data-parallel ranks), one adapter per global expert."""
+as expert weights (``moe.experts.mark_expert_parameter``), one adapter per global expert."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.tensor_parallel.layers import (
-    set_defaults_if_not_set_tensor_model_parallel_attributes,
-)
 from megatron.core.tensor_parallel.random import (
     get_cuda_rng_tracker,
     get_expert_parallel_rng_tracker_name,
@@ -25,7 +22,7 @@ from megatron_slmoe.lora.base import (
     mark_lora,
     new_param,
 )
-from megatron_slmoe.moe.experts import LatentSwiGLUExperts
+from megatron_slmoe.moe.experts import LatentSwiGLUExperts, mark_expert_parameter
 from megatron_slmoe.ops.lora_expert import (
     LoRAGroupedWeights,
     expert_activation,
@@ -82,8 +79,7 @@ class LoRALatentSwiGLUExperts(LoRAModule, LatentSwiGLUExperts):
                 self.register_parameter(f"{proj}_lora_B", None)
         for param in self.lora_parameters():
             mark_lora(param)
-            param.allreduce = False  # expert parameters: reduced over expert-data-parallel ranks
-            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+            mark_expert_parameter(param)
         self._lora_init_a(lora_config.init_seed)
 
     def lora_parameters(self):

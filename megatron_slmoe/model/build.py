@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_slmoe.config.run import ParallelConfig
@@ -31,6 +38,20 @@ def run_transformer_config(model_config: ModelConfig, parallel: ParallelConfig, 
         if parallel.recompute_modules:
             overrides["recompute_modules"] = list(parallel.recompute_modules)
     return model_config.transformer_config(**{**overrides, **extra})
+
+
+_PARTITION_DIMS = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Give the tensor-parallel weights of a model built with ``perform_initialization=False``
+    (its weights about to be loaded) the marks Megatron sets only while initialising them
+    (``tensor_model_parallel``, partition dim). Unmarked, Megatron's optimizer counts a shard
+    only on TP rank 0 in the grad norm, so clipping is wrong under TP (full fine-tuning)."""
+    for module in model.modules():
+        for cls, dim in _PARTITION_DIMS:
+            if isinstance(module, cls) and getattr(module, "weight", None) is not None:
+                set_tensor_model_parallel_attributes(module.weight, True, dim, 1)
 
 
 def build_gpt_model(model_config: ModelConfig, transformer_config: TransformerConfig,

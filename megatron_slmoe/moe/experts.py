@@ -7,10 +7,9 @@ MLP (e.g. squared ReLU, ``activation_func=squared_relu``); see ``ops.expert_acti
 router probability scales the activation before fc2, as in Megatron-Core's experts. The LoRA
 experts implement the same interface.
 
-Parameters are expert-parallel: each EP rank holds ``num_experts / ep`` experts, they are marked
-``allreduce = False`` so Megatron's DDP reduces their gradients over the expert-data-parallel
-group, and their dist-checkpoint shards carry the global expert offset so checkpoints move between
-expert-parallel sizes.
+Parameters are expert-parallel: each EP rank holds ``num_experts / ep`` experts, marked as
+Megatron-Core marks its own expert weights (``mark_expert_parameter``), and their dist-checkpoint
+shards carry the global expert offset so checkpoints move between expert-parallel sizes.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import (
     get_cuda_rng_tracker,
     get_expert_parallel_rng_tracker_name,
@@ -27,6 +27,17 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_slmoe.ops.lora_expert import expert_activation
+
+
+def mark_expert_parameter(param: torch.nn.Parameter) -> None:
+    """Megatron-Core's marks for an expert weight. ``allreduce = False``: DDP reduces its gradient
+    over the expert-data-parallel ranks. ``tensor_model_parallel``: it is no replica within the
+    dense tensor-parallel group (with expert TP 1 each TP rank holds its experts whole), so the
+    expert optimizer's grad norm, reduced over the expert-model-parallel ranks, counts it on every
+    rank. Unmarked, TP ranks > 0 left it out of the norm: grad clipping then scaled gradients
+    differently per TP rank and the TP-replicated weights drifted apart step by step."""
+    param.allreduce = False
+    set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
 
 class LatentSwiGLUExperts(MegatronModule):
@@ -50,7 +61,7 @@ class LatentSwiGLUExperts(MegatronModule):
                     config.init_method(self.fc1_weight.data[e])
                     config.output_layer_init_method(self.fc2_weight.data[e])
         for param in (self.fc1_weight, self.fc2_weight):
-            param.allreduce = False  # expert parameters: reduced over expert-data-parallel ranks
+            mark_expert_parameter(param)
 
     def forward(self, rows_RL: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                 probs_R: torch.Tensor) -> torch.Tensor:

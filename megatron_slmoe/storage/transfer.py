@@ -21,7 +21,8 @@ Remote layout under ``--output-url``::
     checkpoints/iter_0000050/...   + MANIFEST.json (last)
     checkpoints/latest             name of the newest complete checkpoint (written after it)
     adapter/...                    + MANIFEST.json (last)
-    summary.json, metrics.jsonl
+    export-hf/..., plots/...       the --export-hf PEFT adapter and the pictures, when made
+    config.yaml, metrics.jsonl, summary.json (last)
 """
 
 from __future__ import annotations

@@ -615,7 +615,7 @@ class Trainer:
                 write_json_atomic(os.path.join(self.output_dir, "summary.json"),
                                   redact_mapping(summary))
             if self.mirror is not None:
-                self._upload_outputs(adapter_dir)
+                self._upload_outputs(adapter_dir, summary["plots"])
             worst = max((m["imbalance"] for m in load.values()), default=float("nan"))
             self._info(f"[finetune] expert load: worst imbalance (max/mean) {worst:.2f} over "
                        f"{len(load)} MoE layers, {dead} experts without tokens in the last window, "
@@ -641,12 +641,17 @@ class Trainer:
             torch.distributed.destroy_process_group()
         return 0
 
-    def _upload_outputs(self, adapter_dir: Optional[str]) -> None:
-        """The run's outputs to --output-url once its last checkpoint is there; the summary last:
-        its presence on the store means the run is complete there."""
+    def _upload_outputs(self, adapter_dir: Optional[str], plots: list[str]) -> None:
+        """The run's outputs to --output-url once its last checkpoint is there (the adapter, its
+        --export-hf PEFT form, the pictures); the summary last: its presence on the store means
+        the run is complete there."""
         self.mirror.wait()
         if adapter_dir:
             self.mirror.upload_directory(adapter_dir, "adapter")
+        if self.run_config.output.export_hf:
+            self.mirror.upload_directory(self.run_config.output.export_hf, "export-hf")
+        if plots:
+            self.mirror.upload_directory(os.path.dirname(plots[0]), "plots")
         for name in ("config.yaml", "metrics.jsonl", "summary.json"):
             self.mirror.upload_file(os.path.join(self.output_dir, name), name)
         self._info(f"[finetune] outputs on the store: {self.run_config.output.output_url}")

@@ -25,7 +25,11 @@ from megatron_slmoe.config.run import (
     ParallelConfig,
     ScheduleConfig,
 )
-from megatron_slmoe.model.build import build_gpt_model, run_transformer_config
+from megatron_slmoe.model.build import (
+    build_gpt_model,
+    mark_tensor_parallel_weights,
+    run_transformer_config,
+)
 from megatron_slmoe.model.config import ModelConfig, load_model_config
 from megatron_slmoe.model.validation import EXPERT_TENSOR_PARALLEL_SIZE
 
@@ -102,6 +106,8 @@ def build_model(model_config: ModelConfig, parallel: ParallelConfig, bf16: bool,
                                     perform_initialization=initialize)
     model = build(model_config, config, pre_process=parallel_state.is_pipeline_first_stage(),
                   post_process=parallel_state.is_pipeline_last_stage())
+    if not initialize:
+        mark_tensor_parallel_weights(model)
     model.to(platform.device())
     return model, config
 

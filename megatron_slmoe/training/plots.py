@@ -27,6 +27,7 @@ import os
 from typing import Any, Optional
 
 from megatron_slmoe.utils.atomic import write_bytes_atomic
+from megatron_slmoe.utils.jsonl import numbered_records
 
 PLOTS_DIR = "plots"
 _WIDTH, _HEIGHT, _DPI = 8.0, 4.2, 110
@@ -44,16 +45,12 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise RunDataError(f"{run_dir}: no metrics.jsonl (is it the output directory of a run?)")
     by_iteration: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                by_iteration[int(record["iteration"])] = record
-            except (ValueError, KeyError, TypeError):
-                # A run killed mid-write can leave a torn last line: skip it, not the run.
-                continue
+    for _, record in numbered_records(path):
+        try:
+            by_iteration[int(record["iteration"])] = record
+        except (ValueError, KeyError, TypeError):
+            # A run killed mid-write can leave a torn last line: skip it, not the run.
+            continue
     if not by_iteration:
         raise RunDataError(f"{path}: no records")
     return [by_iteration[i] for i in sorted(by_iteration)]

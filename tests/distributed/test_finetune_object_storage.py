@@ -84,6 +84,9 @@ def test_run_reads_from_and_writes_to_the_store_then_resumes_from_it(server, tmp
     assert _stored(server, "runs/lora/checkpoints/latest") == b"iter_0000004"
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert _stored(server, f"runs/lora/adapter/{name}") == (run_a / "adapter" / name).read_bytes()
+    pictures = json.loads((run_a / "summary.json").read_text())["plots"]
+    assert pictures and all(_stored(server, f"runs/lora/plots/{os.path.basename(p)}")
+                            == Path(p).read_bytes() for p in pictures)
     stored_summary = _stored(server, "runs/lora/summary.json")
     assert stored_summary == (run_a / "summary.json").read_bytes()
     assert json.loads(stored_summary)["output_url"] == f"s3://{BUCKET}/runs/lora"

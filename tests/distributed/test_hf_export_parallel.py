@@ -1,12 +1,19 @@
-"""Adapters out of a parallel run: LoRA fine-tuning from ``--hf-checkpoint`` on 2 ranks with EP=2
-(a few steps), and TP=2 with sequence parallelism starting from a PEFT adapter via
-``--adapter-init``, then ``--export-hf``: PEFT loads the exported adapter on transformers' model
-and gives the Megatron model's logits (fp32), computed on the ranks in their layout; the frozen
-base weights, gathered from the layout into an HF checkpoint, are bitwise the checkpoint's.
+"""Adapters out of a parallel run: 10 LoRA steps from ``--hf-checkpoint`` on 2 ranks with EP=2
+and, separately, TP=2 (sequence parallel, expert TP 1), for Qwen3-MoE and DeepSeek-V3 (MLA,
+shared experts), and NemotronH (TP=2) and the Stable Latent MoE (EP=2), both latent MoEs; the
+Qwen3-MoE TP=2 run starts from an adapter PEFT made (``--adapter-init``).
+Then ``--export-hf``: PEFT loads the exported adapter on transformers' model and gives the
+fine-tuned Megatron model's logits, computed on the ranks in their layout (fp32); the merged
+export loaded with ``AutoModelForCausalLM`` gives them too; the base weights gathered from the
+layout into an HF checkpoint are bitwise the checkpoint's.
 
-The TP=2 case takes no training step: on the rank pool, TP=2 training lets the TP-replicated LoRA
-factors (row-parallel B, experts under expert-TP 1) drift apart between the two ranks, so no
-single adapter file equals that model (reported; see the branch's report)."""
+Under TP=2 every parameter Megatron does not mark tensor-parallel is bitwise the same on both TP
+ranks after the 10 steps, and both ranks clip with the same grad norm. (Regression: expert weights
+lacked Megatron's ``tensor_model_parallel`` mark, so TP rank 1 left them out of the expert grad
+norm, clipped by another factor and drifted from rank 0.)
+
+The per-expert layout is exported single-process in ``tests/unit/test_hf_export.py`` (the adapter
+file is the same whatever the run's layout)."""
 
 import pytest
 import torch
@@ -14,58 +21,90 @@ import torch
 from tests.helpers import hf_models
 from tests.helpers.ranks import run_ranks
 
-VOCAB, SEQ, GLOBAL_BATCH, MICRO_BATCH, ITERS = 320, 32, 4, 2, 2
+VOCAB, SEQ, GLOBAL_BATCH, MICRO_BATCH, ITERS = 320, 32, 4, 2, 10
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    hf_dir = tmp_path_factory.mktemp("hf-export-parallel") / "qwen3-moe"
-    hf_models.save_family("qwen3_moe", str(hf_dir), vocab_size=VOCAB, max_position_embeddings=SEQ)
-    hf_models.save_chatml_tokenizer(hf_dir)
-    return hf_dir
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def make(family):
+        if family not in made:
+            hf_dir = tmp_path_factory.mktemp("hf-export-parallel") / family
+            hf_models.save_family(family, str(hf_dir), vocab_size=VOCAB,
+                                  max_position_embeddings=SEQ)
+            hf_models.save_chatml_tokenizer(hf_dir)
+            made[family] = hf_dir
+        return made[family]
+
+    return make
+
+
+def _tp_replica_spread(model) -> float:
+    """Largest difference between the TP ranks of a parameter Megatron does not mark
+    tensor-parallel (0 when there is no tensor parallelism)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    size = torch.distributed.get_world_size(group)
+    spread = torch.zeros(())
+    for _, param in sorted(model.named_parameters()):
+        if size == 1 or getattr(param, "tensor_model_parallel", False):
+            continue
+        copies = [torch.empty_like(param) for _ in range(size)]
+        torch.distributed.all_gather(copies, param.detach().contiguous(), group=group)
+        spread = torch.maximum(spread, max((c - copies[0]).abs().max() for c in copies))
+    return spread.item()
 
 
 def finetune_and_export(args: list[str], steps: int = ITERS):
-    """The entry point's trainer: set-up, ITERS steps, the model's logits, then its end-of-run
+    """The entry point's trainer: set-up, ``steps`` steps, the model's logits, then its end-of-run
     adapter save and --export-hf (what ``_finish`` does before it tears the process group down)."""
     import megatron_slmoe
+    from megatron_slmoe.hf.loader import open_hf_checkpoint
+    from megatron_slmoe.hf.megatron_export import export_megatron_weights
     from megatron_slmoe.lora.adapter import save_adapter
+    from megatron_slmoe.lora.inject import unwrap_chunks
     from megatron_slmoe.training.finetune import Trainer, parse
 
     trainer = Trainer(parse(args).run, megatron_slmoe.PLATFORM)
     trainer.setup()
-    for step in range(steps):
-        trainer.train_step(step * GLOBAL_BATCH)
+    grad_norms = [trainer.train_step(step * GLOBAL_BATCH)[1] for step in range(steps)]
     logits = hf_models.megatron_logits(trainer.model, hf_models.tokens(seq=16))
     adapter_dir = f"{trainer.output_dir}/adapter"
     save_adapter([trainer.model], adapter_dir, trainer.lora_config)
     trainer._export_hf(adapter_dir)
-    from megatron_slmoe.hf.loader import open_hf_checkpoint
-    from megatron_slmoe.hf.megatron_export import export_megatron_weights
-    from megatron_slmoe.lora.inject import unwrap_chunks
-
     hf = open_hf_checkpoint(trainer.run_config.model.hf_checkpoint, check_shapes=False)
     export_megatron_weights(unwrap_chunks(trainer.model), hf, f"{trainer.output_dir}/base-hf",
                             max_shard_bytes=64 * 2**10)
     if trainer.writer:
         trainer.writer.close()
-    return logits, trainer.run_config.lora.rank
+    return {"logits": logits, "grad_norms": grad_norms, "spread": _tp_replica_spread(trainer.model),
+            "rank": trainer.run_config.lora.rank}
 
 
-def _peft_adapter(hf_dir, directory):
+def _peft_adapter(family, directory):
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
                         init_lora_weights=False)
-    base = hf_models.build("qwen3_moe", vocab_size=VOCAB, max_position_embeddings=SEQ)
+    base = hf_models.build(family, vocab_size=VOCAB, max_position_embeddings=SEQ)
     get_peft_model(base, config).save_pretrained(str(directory))
 
 
-@pytest.mark.parametrize("layout", ["ep2", "tp2-from-peft"])
-def test_exported_adapter_gives_the_finetuned_logits(checkpoint, tmp_path, layout):
-    from peft import PeftModel
+CASES = [("qwen3_moe", "ep2"), ("qwen3_moe", "tp2-from-peft"), ("deepseek_v3", "ep2"),
+         ("deepseek_v3", "tp2"), ("nemotron_h", "tp2"), ("stable_latent_moe", "ep2")]
 
+
+@pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{l}" for f, l in CASES])
+def test_exported_adapter_gives_the_finetuned_logits(checkpoints, tmp_path, family, layout):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megatron_slmoe.hf.merged_export import export_merged
+
+    checkpoint = checkpoints(family)
     output, peft_dir = tmp_path / "run", tmp_path / "peft"
     args = ["--hf-checkpoint", str(checkpoint), "--seq-length", str(SEQ),
             "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH),
@@ -73,22 +112,33 @@ def test_exported_adapter_gives_the_finetuned_logits(checkpoint, tmp_path, layou
             "--eval-iters", "1", "--lora-rank", "4", "--fp32", "--no-tensorboard",
             "--output-dir", str(output), "--export-hf", str(peft_dir),
             "--export-hf-layout", "fused"]
+    if family == "deepseek_v3":  # MLA has no linear_qkv; adapt the shared experts and router too
+        args += ["--lora-target-modules", "linear_proj", "linear_fc1", "linear_fc2",
+                 "shared_experts", "router"]
     if layout == "ep2":
         results = run_ranks(finetune_and_export, 2, ep=2,
                             args=args + ["--expert-model-parallel-size", "2"])
     else:
-        _peft_adapter(checkpoint, tmp_path / "peft-in")
-        results = run_ranks(finetune_and_export, 2, tp=2, etp=1, steps=0,
-                            args=args + ["--tensor-model-parallel-size", "2",
-                                         "--adapter-init", str(tmp_path / "peft-in")])
-        assert results[0][1] == 6  # q, k and v (rank 2 each) stack in linear_qkv
-    megatron = results[0][0]
-    base = hf_models.build("qwen3_moe", vocab_size=VOCAB, max_position_embeddings=SEQ)
+        if layout == "tp2-from-peft":
+            _peft_adapter(family, tmp_path / "peft-in")
+            args += ["--adapter-init", str(tmp_path / "peft-in")]
+        results = run_ranks(finetune_and_export, 2, tp=2, etp=1,
+                            args=args + ["--tensor-model-parallel-size", "2"])
+        if layout == "tp2-from-peft":
+            assert results[0]["rank"] == 6  # q, k and v (rank 2 each) stack in linear_qkv
+        assert results[0]["spread"] == 0.0
+        assert results[0]["grad_norms"] == results[1]["grad_norms"]
+    assert max(results[0]["grad_norms"]) > 1.0  # --clip-grad 1.0 acted: the norms must agree
+    megatron = results[0]["logits"]
+    base = hf_models.build(family, vocab_size=VOCAB, max_position_embeddings=SEQ)
     input_ids = hf_models.tokens(seq=16)
     base_logits = hf_models.hf_logits(base, input_ids)
     peft = hf_models.hf_logits(PeftModel.from_pretrained(base, str(peft_dir)).eval(), input_ids)
     torch.testing.assert_close(peft, megatron, rtol=1e-5, atol=2e-5)
-    from tests.helpers.hf_models import assert_same_tensors
-
-    assert_same_tensors(checkpoint, output / "base-hf")
     assert (peft - base_logits).abs().max() > 1e-3  # the adapter changes the model
+    export_merged(str(output / "adapter"), str(checkpoint), str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    torch.testing.assert_close(hf_models.hf_logits(merged, input_ids), megatron,
+                               rtol=1e-5, atol=2e-5)
+    hf_models.assert_same_tensors(checkpoint, output / "base-hf")

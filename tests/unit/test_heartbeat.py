@@ -18,7 +18,9 @@ def ranks():
     """Three ranks' heartbeats on one store; ``publish(beat)`` keeps a rank's heartbeat going
     (its publishing, without the watchdog that would end this process)."""
     store = torch.distributed.HashStore()
-    beats = [Heartbeat(10.0, store, rank, 3, f"node{rank // 2}", interval_s=0.02)
+    # The diagnosis waits 3 intervals for a live rank's heartbeat to move: long enough that a
+    # loaded machine (the publishers below are threads of this process) cannot fake a stop.
+    beats = [Heartbeat(10.0, store, rank, 3, f"node{rank // 2}", interval_s=0.25)
              for rank in range(3)]
     for beat in beats:
         beat.start()

@@ -21,6 +21,12 @@ CASES = {
     ("deepseek_v3", "fused"): (dict(), [*ATTENTION_AND_EXPERTS, "shared_experts", "router"]),
     # Per-expert modules on transformers 5: PEFT converts them to the fused form, taking every
     # gate/up/down_proj target for an expert projection, so no dense MLP may be adapted.
+    # NemotronH: `backbone.` on disk, fused relu2 experts in memory, latent projections; the
+    # Stable Latent MoE: our own transformers model (per-expert on disk, fused in memory).
+    ("nemotron_h", "fused"): (dict(), [*ATTENTION_AND_EXPERTS, "linear_qkv", "shared_experts",
+                                       "router", "latent"]),
+    ("stable_latent_moe", "fused"): (dict(), [*ATTENTION_AND_EXPERTS, "linear_qkv",
+                                              "shared_experts", "router", "latent"]),
     ("qwen3_moe", "per-expert"): (dict(mlp_only_layers=[]), ["linear_qkv",
                                                              *ATTENTION_AND_EXPERTS]),
     ("deepseek_v3", "per-expert"): (dict(first_k_dense_replace=0), ATTENTION_AND_EXPERTS),
@@ -72,7 +78,7 @@ def test_peft_loads_the_adapter_with_the_megatron_logits(trained, family, layout
     if layout == "per-expert":
         assert any(".mlp.experts.3.down_proj.lora_B.weight" in k for k in keys)
     else:
-        assert any(".mlp.experts.lora_A.weight" in k for k in keys)
+        assert any(".experts.lora_A.weight" in k for k in keys)
     input_ids = hf_models.tokens()
     base = hf_models.build(family, **overrides)
     base_logits = hf_models.hf_logits(base, input_ids)
@@ -82,17 +88,19 @@ def test_peft_loads_the_adapter_with_the_megatron_logits(trained, family, layout
     assert (peft_logits - base_logits).abs().max() > 0.1  # the adapter matters
 
 
-def test_merged_checkpoint_loads_with_the_megatron_logits(trained):
+@pytest.mark.parametrize("family", ["deepseek_v3", "nemotron_h", "stable_latent_moe"])
+def test_merged_checkpoint_loads_with_the_megatron_logits(trained, family):
     from transformers import AutoModelForCausalLM
 
     from megatron_slmoe.hf.merged_export import export_merged
 
-    root, _, megatron = trained("deepseek_v3", "fused")
+    root, _, megatron = trained(family, "fused")
     export_merged(str(root / "adapter"), str(root / "hf"), str(root / "merged"),
                   max_shard_bytes=64 * 2**10)
     index = json.loads((root / "merged" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    assert "model.layers.1.mlp.experts.3.up_proj.weight" in index["weight_map"]
+    layer = "backbone.layers.1.mixer" if family == "nemotron_h" else "model.layers.1.mlp"
+    assert f"{layer}.experts.3.up_proj.weight" in index["weight_map"]  # as save_pretrained
     merged = AutoModelForCausalLM.from_pretrained(str(root / "merged"), dtype=torch.float32,
                                                   attn_implementation="eager").eval()
     torch.testing.assert_close(hf_models.hf_logits(merged, hf_models.tokens()), megatron,
@@ -147,6 +155,35 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path, capsys):
     assert "not an empty directory" in capsys.readouterr().err
 
 
+def test_per_expert_layout_refuses_what_peft_would_misread(trained, tmp_path, capsys, caplog):
+    """PEFT reads every gate/up/down_proj target of a per-expert Qwen3-MoE adapter as expert LoRA
+    (a dense MLP's LoRA would land on the experts) and cannot adapt a router it does not convert:
+    one line, exit 2, nothing written. Where PEFT converts nothing (NemotronH) it would leave the
+    expert LoRA out: written (vLLM's layout), with a warning naming the fused layout."""
+    for family, message in (("qwen3_moe", "model.layers.0.mlp.gate_proj cannot be exported per"),
+                            ("stable_latent_moe", "StableLatentMoeRouter, which PEFT adapts")):
+        root, _, _ = trained(family, "fused")
+        out = tmp_path / family
+        assert _convert("--adapter", root / "adapter", "--hf-checkpoint", root / "hf",
+                        "--output", out, "--expert-layout", "per-expert") == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err and "--expert-layout fused" in err, err
+        assert not out.exists()
+    from megatron_slmoe.hf.peft_export import export_peft_adapter
+
+    root = tmp_path / "nemotron"
+    hf_models.save_family("nemotron_h", str(root / "hf"))
+    from megatron_slmoe.lora.adapter import save_adapter
+
+    model, lora_config = hf_models.import_with_lora(str(root / "hf"), ["linear_fc1"])
+    save_adapter([model], str(root / "adapter"), lora_config)
+    with caplog.at_level("WARNING", logger="megatron_slmoe.hf.peft_export"):
+        export_peft_adapter(str(root / "adapter"), str(root / "hf"), str(root / "peft"),
+                            layout="per-expert")
+    assert "leave the expert LoRA out" in caplog.text and "NemotronHForCausalLM" in caplog.text
+    assert (root / "peft" / "adapter_model.safetensors").exists()
+
+
 # --- PEFT adapters in -----------------------------------------------------------------------------
 
 
@@ -155,10 +192,16 @@ def _peft_made_adapter(family, directory):
     pattern, a dense MLP parameter and the fused experts; returns its logits."""
     from peft import LoraConfig, get_peft_model
 
+    experts = {"nemotron_h": ["mixer.experts.up_proj", "mixer.experts.down_proj"],
+               "stable_latent_moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    dense = {"qwen3_moe": ["model.layers.0.mlp.up_proj.weight"],
+             "deepseek_v3": ["model.layers.0.mlp.up_proj.weight"],
+             "nemotron_h": ["model.layers.3.mixer.up_proj.weight"], "stable_latent_moe": []}
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "q_proj", "v_proj"]
-                        if family == "qwen3_moe" else ["o_proj"],
-                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
-                                           "model.layers.0.mlp.up_proj.weight"],
+                        if family != "deepseek_v3" else ["o_proj"],
+                        target_parameters=experts.get(family, ["mlp.experts.gate_up_proj",
+                                                               "mlp.experts.down_proj"])
+                        + dense[family],
                         rank_pattern={"o_proj": 2}, alpha_pattern={"o_proj": 3},
                         init_lora_weights=False)
     model = get_peft_model(hf_models.build(family), config).eval()
@@ -166,7 +209,7 @@ def _peft_made_adapter(family, directory):
     return hf_models.hf_logits(model, hf_models.tokens())
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", hf_models.FAMILY_NAMES)
 def test_peft_adapter_imported_gives_peft_logits(tmp_path, family):
     from megatron_slmoe.hf.convert import build_model_in_layout
     from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
@@ -179,7 +222,7 @@ def test_peft_adapter_imported_gives_peft_logits(tmp_path, family):
     model, _ = build_model_in_layout(hf.model_config)
     load_hf_weights([model], str(tmp_path / "hf"), hf)
     config = load_adapter([model], str(tmp_path / "adapter"))
-    assert config.rank == (8 if family == "qwen3_moe" else 4)  # q and v stack in linear_qkv
+    assert config.rank == (4 if family == "deepseek_v3" else 8)  # q and v stack in linear_qkv
     torch.testing.assert_close(hf_models.megatron_logits(model, hf_models.tokens()), peft_logits,
                                rtol=1e-5, atol=2e-5)
 

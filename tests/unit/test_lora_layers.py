@@ -213,8 +213,10 @@ def test_lora_tensors_carry_megatron_parallel_attributes(mc):
     for module in (moe.router, moe.latent_down, moe.latent_up):
         for param in module.lora_parameters():
             assert param.sequence_parallel == getattr(module.weight, "sequence_parallel", False)
-    for param in moe.experts.lora_parameters():
-        assert param.allreduce is False and not param.tensor_model_parallel
+    # Expert LoRA is marked as Megatron marks expert weights: reduced over expert-data-parallel
+    # ranks, and no TP replica (the grad norm counts it on every TP rank).
+    for param in [*moe.experts.lora_parameters(), moe.experts.fc1_weight]:
+        assert param.allreduce is False and param.tensor_model_parallel
 
 
 def test_lora_at_init_is_drawn_per_global_name(mc):

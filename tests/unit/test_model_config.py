@@ -360,3 +360,22 @@ def test_tiny_model_forward_backward(megatron_single_rank):
             assert torch.isfinite(param.grad).all(), name
     assert mlps[1].experts.fc1_weight.grad.abs().sum() > 0
     assert mlps[1].router.weight.grad.abs().sum() > 0
+
+
+def test_a_model_built_for_loading_has_the_initialised_models_tensor_parallel_marks(
+        megatron_single_rank):
+    """Megatron marks tensor-parallel weights only while initialising them; a model built to be
+    loaded (no initialisation) must carry the same marks, or the grad norm under TP counts its
+    shards on TP rank 0 only."""
+    from megatron_slmoe.config.run import ParallelConfig
+    from megatron_slmoe.training.model_setup import build_model
+
+    def marks(initialize):
+        model, _ = build_model(load_model_config("tiny"), ParallelConfig(), False,
+                               megatron_slmoe.PLATFORM, initialize=initialize)
+        return {name: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
+                for name, p in model.named_parameters()}
+
+    initialised = marks(True)
+    assert sum(tp for tp, _ in initialised.values()) >= 10  # embedding, linears, experts
+    assert marks(False) == initialised

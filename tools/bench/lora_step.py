@@ -20,6 +20,17 @@ over the variants (load on a shared machine hits all of them alike); each step's
 slowest rank's. Profiled steps give the per-stage breakdown
 (``tools/bench/stage_profile.py``), also round-robin: ``stages_profiled_ms`` as measured under the
 profiler (which slows many small ops most), ``stages_ms`` the same shares of the timed step.
+
+Two more figures say what bounds the ratios on a shared machine. ``cpu_ms_per_step``: process CPU
+time (all threads) per timed step, averaged over ranks; when ranks outnumber cores, wall time
+follows the CPU time of all ranks on a quiet machine, and the number of blocking collectives per
+step (``collectives_per_step``, counted in the profiled step, size-1 groups included) on a loaded
+one, where every wait costs a trip through the run queue. ``moe_floor``: the slmoe model with its
+routed experts and their exchanges skipped (the layer adds zeros: router, latent projections,
+shared expert, attention and the rest still run), timed with the others but not loss-checked; no
+MoE path can beat it, so ``floor_speedup`` (its tokens/s over a row's) bounds what ``slmoe_speedup``
+can reach against that row at these shapes.
+
 Prints a table and writes JSON rows with at least variant, ranks, experts, topk, tokens_per_s,
 plus ``slmoe_speedup`` (the slmoe variant's tokens/s over this row's) and the breakdowns.
 """
@@ -37,6 +48,8 @@ from datetime import timedelta
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmark's helper modules
 
 VARIANTS = ("slmoe", "megatron_lora", "megatron_mask_loop")
+FLOOR = "moe_floor"
+"""The slmoe model with its routed experts and their exchanges skipped: the bound of any MoE path."""
 STAGES = ("router", "latent", "dispatch", "experts", "combine", "shared_expert", "attention",
           "optimizer", "other")
 
@@ -141,6 +154,23 @@ def build_slmoe(args, world):
     config = transformer_config(args, world)
     slmoe = SLMoEConfig(**{"freeze_router": True, "dispatcher": "alltoall", **args.slmoe_options})
     return _gpt(config, get_slmoe_decoder_block_spec(config, slmoe), args), config
+
+
+def skip_routed_experts(model) -> None:
+    """Make every slmoe MoE layer of ``model`` add zeros in place of its routed experts (no
+    exchange, no expert computation; everything else in the layer still runs)."""
+    import torch
+
+    from megatron_slmoe.moe.layer import StableLatentMoELayer
+
+    def zeros(x_TL, probs_TE, routing_map_TE, experts, chunks):
+        return torch.zeros_like(x_TL)
+
+    layers = [m for m in model.modules() if isinstance(m, StableLatentMoELayer)]
+    if not layers:
+        raise RuntimeError("no StableLatentMoELayer in the model")
+    for layer in layers:
+        layer.dispatcher.dispatch_compute_combine = zeros
 
 
 def build_megatron(args, world, expert_kind: str):
@@ -318,35 +348,51 @@ def run_world(args, world: int) -> list[dict]:
         enable_expert_lora(model)
         copy_weights(slmoe_model, model)
         models[name] = (model, config)
+    floor_model, floor_config = build_slmoe(args, world)
+    inject_lora(floor_model, lora_config(args, ["linear_qkv", "linear_proj", "linear_fc1",
+                                                "linear_fc2"]))
+    floor_model.load_state_dict(slmoe_model.state_dict())
+    skip_routed_experts(floor_model)
+    models[FLOOR] = (floor_model, floor_config)
     trainers = {name: Trainer(name, model, config, args) for name, (model, config) in models.items()}
     batch = make_batch(args, rank)
 
     # Same losses before anything is timed: the forward of step 1, and step 2 after a backward
     # and an optimizer step.
     losses = {name: [trainer.step(batch) for _ in range(2)] for name, trainer in trainers.items()}
-    agree = {}
+    agree = {FLOOR: 0.0}  # computes another function: nothing to compare, timed regardless
     for name, values in losses.items():
+        if name == FLOOR:
+            continue
         err = max(abs(a - b) / abs(b) for a, b in zip(values, losses["slmoe"]))
         err_t = torch.tensor([err], dtype=torch.float64)
         torch.distributed.all_reduce(err_t, op=torch.distributed.ReduceOp.MAX)
         agree[name] = err_t.item()
 
     times = {name: [] for name in trainers}
+    cpu_s = {name: 0.0 for name in trainers}  # this rank's process CPU time over the timed steps
     for i in range(args.warmup + args.reps):
         for name, trainer in trainers.items():
             if agree[name] > 1e-4:
                 continue
             torch.distributed.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             trainer.step(batch)
+            if i >= args.warmup:
+                cpu_s[name] += time.process_time() - cpu_start
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
             if i >= args.warmup:
                 times[name].append(elapsed.item())
 
+    cpu_total = torch.tensor([cpu_s[name] for name in trainers], dtype=torch.float64)
+    torch.distributed.all_reduce(cpu_total)
+    cpu_ms = {name: v / world / args.reps * 1e3 for name, v in zip(trainers, cpu_total.tolist())}
+
     # Profiled steps, round-robin like the timed ones; the profiler slows small ops most, so the
     # breakdown is also given as shares of the profiled step and scaled to the timed step.
     stage_sums = {name: torch.zeros(len(STAGES), dtype=torch.float64) for name in trainers}
+    collectives = {}
     profiled_names = [n for n in trainers if agree[n] <= 1e-4] if args.profile_steps else []
     for _ in range(args.profile_steps):
         for name in profiled_names:
@@ -356,6 +402,7 @@ def run_world(args, world: int) -> list[dict]:
                 trainers[name].step(batch)
                 wall_us = (time.perf_counter() - start) * 1e6
             per_stage = stage_times_us(prof.events(), wall_us)
+            collectives[name] = collective_counts(prof.events())
             stage_sums[name] += torch.tensor([per_stage.get(s, 0.0) / 1e3 for s in STAGES],
                                              dtype=torch.float64)
     stages = {}
@@ -372,9 +419,12 @@ def run_world(args, world: int) -> list[dict]:
                "layers": args.layers, "seq_length": args.seq_length,
                "micro_batch_size": args.micro_batch_size, "lora_rank": args.lora_rank,
                "tokens_per_step": tokens_per_step, "losses": losses[name],
-               "loss_rel_err_vs_slmoe": agree[name], "threads_per_rank": args.threads,
+               "loss_rel_err_vs_slmoe": None if name == FLOOR else agree[name],
+               "threads_per_rank": args.threads,
                "slmoe_options": args.slmoe_options if name == "slmoe" else None}
+        row["collectives_per_step"] = collectives.get(name)
         if times[name]:
+            row["cpu_ms_per_step"] = cpu_ms[name]
             row["step_s"] = statistics.median(times[name])
             row["tokens_per_s"] = tokens_per_step / row["step_s"]
             row["status"] = "ok"
@@ -388,10 +438,23 @@ def run_world(args, world: int) -> list[dict]:
             row["stages_ms"] = {s: v / total * row["step_s"] * 1e3 for s, v in stages[name].items()}
         rows.append(row)
     ours = rows[0]["tokens_per_s"]
+    floor = next(r["tokens_per_s"] for r in rows if r["variant"] == FLOOR)
     for row in rows:
-        row["slmoe_speedup"] = ours / row["tokens_per_s"] if ours and row["tokens_per_s"] else None
+        tps = row["tokens_per_s"]
+        row["slmoe_speedup"] = ours / tps if ours and tps else None
+        row["floor_speedup"] = floor / tps if floor and tps else None
     parallel_state.destroy_model_parallel()
     return rows if rank == 0 else []
+
+
+def collective_counts(events) -> dict[str, int]:
+    """Collectives issued in a profiled region, by c10d op name (each blocks its caller once)."""
+    counts: dict[str, int] = {}
+    for event in events:
+        if event.name.startswith("c10d::"):
+            op = event.name[len("c10d::"):]
+            counts[op] = counts.get(op, 0) + 1
+    return counts
 
 
 def _sync_dense_lora(model) -> None:
@@ -478,7 +541,8 @@ def _run_ranks(ctx, world, args):
 
 
 def print_table(rows):
-    header = ("variant", "ranks", "E", "k", "step_s", "tokens/s", "slmoe_x", *STAGES)
+    header = ("variant", "ranks", "E", "k", "step_s", "tokens/s", "slmoe_x", "floor_x", "cpu_ms",
+              "colls", *STAGES)
     print(" | ".join(f"{h:>9}" if i else f"{h:<20}" for i, h in enumerate(header)))
     for r in rows:
         def fmt(v, spec):
@@ -486,6 +550,8 @@ def print_table(rows):
         st = r.get("stages_ms") or {}
         cells = [r["variant"], r["ranks"], r["experts"], r["topk"], fmt(r.get("step_s"), ".3f"),
                  fmt(r["tokens_per_s"], ".0f"), fmt(r["slmoe_speedup"], ".2f"),
+                 fmt(r["floor_speedup"], ".2f"), fmt(r.get("cpu_ms_per_step"), ".0f"),
+                 fmt(sum((r.get("collectives_per_step") or {}).values()) or None, "d"),
                  *(fmt(st.get(s), ".0f") for s in STAGES)]
         print(" | ".join(f"{c:>9}" if i else f"{c:<20}" for i, c in enumerate(map(str, cells))))
 

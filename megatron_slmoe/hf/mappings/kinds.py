@@ -216,12 +216,16 @@ class MappingTable:
         self._compiled = [(template_regex(r.megatron), r) for r in self.rules]
         self._derive = derive
 
+    def names(self, names: dict) -> dict:
+        """The placeholders of a Megatron name's numbers (``layer``, ``expert``) and those
+        derived from them, for formatting the HF templates."""
+        return self._derive(names) if self._derive else names
+
     def match(self, megatron_key: str) -> Optional[tuple[Rule, dict]]:
         for regex, rule in self._compiled:
             m = regex.match(megatron_key)
             if m:
-                names = {k: int(v) for k, v in m.groupdict().items()}
-                return rule, (self._derive(names) if self._derive else names)
+                return rule, self.names({k: int(v) for k, v in m.groupdict().items()})
         return None
 
     def pieces(self, megatron_key: str, global_shape: tuple[int, ...]) -> Optional[list[Piece]]:
