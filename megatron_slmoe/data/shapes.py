@@ -111,14 +111,16 @@ def question_kind(prompt: str) -> str:
 def score_answers(path: str) -> Dict[str, Tuple[int, int]]:
     """(correct, total) exact-match answers by question kind, and ``all``, of a run's answers
     file (``answers_after_training.jsonl``: prompt, answer, reference per line)."""
+    from megatron_slmoe.utils.jsonl import numbered_records
+
     scores = {kind: [0, 0] for kind in (*QUESTION_KINDS, "all")}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            hit = int(row["answer"].strip() == row["reference"].strip())
-            for kind in (question_kind(row["prompt"]), "all"):
-                scores[kind][0] += hit
-                scores[kind][1] += 1
+    for number, row in numbered_records(path):
+        if isinstance(row, ValueError) or not isinstance(row, dict):
+            raise ValueError(f"line {number}: not a JSON object")
+        hit = int(row["answer"].strip() == row["reference"].strip())
+        for kind in (question_kind(row["prompt"]), "all"):
+            scores[kind][0] += hit
+            scores[kind][1] += 1
     return {kind: (c, t) for kind, (c, t) in scores.items() if t}
 
 
