@@ -292,8 +292,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
                  num_samples: Optional[int] = None, shuffle: bool = True, max_warnings: int = 20):
         super().__init__()
         self.path, self.split = os.fspath(path), split
-        self.factory, self.reader = open_energon_split(self.path, split)
-        self.records = len(self.reader)
+        self.factory, self._reader = open_energon_split(self.path, split)
+        self._reader_pid = os.getpid()
+        self.records = len(self._reader)
         if self.records == 0:
             raise DataError(f"{self.path}: split {split!r} is empty")
         self.tokenizer = tokenizer
@@ -310,10 +311,20 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self._perms: Dict[int, np.ndarray] = {}
         self._warned = 0
         logger.info("image-text data %s [%s]: %d records in %d shards", self.path, split,
-                    self.records, len(self.reader.tar_filenames))
+                    self.records, len(self._reader.tar_filenames))
 
     def __len__(self) -> int:
         return self.num_samples
+
+    @property
+    def reader(self):
+        """Energon's tar reader, its open shard files this process's own: a DataLoader worker
+        forked after reads would share their file offsets with its parent and siblings (reads
+        interleave: "Inconsistent sample base name"), so a new process reopens them."""
+        if self._reader_pid != os.getpid():
+            self._reader.close()
+            self._reader_pid = os.getpid()
+        return self._reader
 
     @property
     def captioning(self) -> bool:

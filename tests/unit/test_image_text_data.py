@@ -304,3 +304,28 @@ def test_order_is_a_seeded_permutation_per_epoch(chat_dataset, tok):
     for epoch in range(3):
         assert sorted(order[epoch * 4:(epoch + 1) * 4]) == [0, 1, 2, 3]
     assert torch.equal(a[7]["tokens"], b[7]["tokens"])  # resuming at 7 reads the same sample
+
+
+def _read_in_child(dataset, queue):
+    inherited = {id(f) for f in dataset._reader.itar_files_cache.values()}
+    rows = [dataset[i]["tokens"].tolist() for i in range(len(dataset))]
+    own = {id(f) for f in dataset._reader.itar_files_cache.values()}
+    queue.put((len(inherited), len(own), len(inherited & own), rows))
+
+
+def test_a_forked_worker_reopens_the_shards(chat_dataset, tok):
+    """DataLoader workers fork after the parent has read: sharing its open tar files would share
+    their offsets (interleaved reads); the child reopens them and reads the same samples."""
+    import multiprocessing
+
+    dataset = _dataset(chat_dataset, tok, shuffle=False)
+    parent = [dataset[i]["tokens"].tolist() for i in range(len(dataset))]
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_read_in_child, args=(dataset, queue))
+    child.start()
+    inherited, own, shared, rows = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert inherited > 0 and own > 0 and shared == 0  # the parent's open files, then its own
+    assert rows == parent
+    assert dataset._reader.itar_files_cache  # the parent's stay open
