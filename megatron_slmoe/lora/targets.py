@@ -2,7 +2,10 @@
 name adapts, and how. A new target is one ``ModuleKind`` entry here.
 
 =================  ==========================================================================
-``linear_qkv``     ``self_attention.linear_qkv`` (ColumnParallelLinear)
+``linear_qkv``     the attention's input projections: ``self_attention.linear_qkv``
+                   (ColumnParallelLinear); with multi-latent attention (DeepSeek-V3, Kimi-K2) its
+                   ``linear_q_proj`` or ``linear_q_down_proj`` + ``linear_q_up_proj``, and
+                   ``linear_kv_down_proj`` + ``linear_kv_up_proj``
 ``linear_proj``    ``self_attention.linear_proj`` (RowParallelLinear)
 ``linear_fc1``     dense ``mlp.linear_fc1``; in MoE layers every routed expert's fc1
                    (``LatentSwiGLUExperts`` -> ``LoRALatentSwiGLUExperts``, one adapter per expert)
@@ -91,8 +94,13 @@ def _experts(child, parent, attr, lora_config, name, wanted):
                                              fc2="linear_fc2" in wanted)
 
 
-def _attention(attr_name: str):
-    return lambda parent, attr, child: attr == attr_name and not isinstance(parent, MLP)
+def _attention(*attr_names: str):
+    return lambda parent, attr, child: attr in attr_names and not isinstance(parent, MLP)
+
+
+ATTENTION_INPUTS = ("linear_qkv", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                    "linear_kv_down_proj", "linear_kv_up_proj")
+"""Megatron's attention input projections: fused q/k/v, or multi-latent attention's."""
 
 
 def _dense_mlp(attr_name: str):
@@ -101,7 +109,7 @@ def _dense_mlp(attr_name: str):
 
 
 MODULE_KINDS: tuple[ModuleKind, ...] = (
-    ModuleKind("attention_qkv", ("linear_qkv",), _attention("linear_qkv"), _linear),
+    ModuleKind("attention_qkv", ("linear_qkv",), _attention(*ATTENTION_INPUTS), _linear),
     ModuleKind("attention_proj", ("linear_proj",), _attention("linear_proj"), _linear),
     ModuleKind("dense_fc1", ("linear_fc1",), _dense_mlp("linear_fc1"), _linear),
     ModuleKind("dense_fc2", ("linear_fc2",), _dense_mlp("linear_fc2"), _linear),

@@ -136,14 +136,26 @@ def _dense_layer_weights(shape: ModelShape, settings: RunSettings, moe: bool) ->
     return run_dtype, counts["norms"]
 
 
+def _attention_inputs(shape: ModelShape) -> list[tuple[int, int]]:
+    """(in, out) of each attention input projection (column-parallel): the fused q/k/v, or
+    multi-latent attention's q (or q down + up) and kv down + up."""
+    if shape.mla is None:
+        return [(shape.hidden, (shape.heads + 2 * shape.query_groups) * shape.kv_channels)]
+    m, d, h = shape.mla, shape.hidden, shape.heads
+    q_out = h * m.q_head_dim
+    q = [(d, q_out)] if m.q_lora_rank is None else [(d, m.q_lora_rank), (m.q_lora_rank, q_out)]
+    return q + [(d, m.kv_lora_rank + m.qk_pos_emb_head_dim),
+                (m.kv_lora_rank, h * (m.qk_head_dim + m.v_head_dim))]
+
+
 @functools.lru_cache(maxsize=4096)
 def _lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> tuple[int, int]:
     """(dense LoRA parameters, expert LoRA parameters) of one layer on one rank."""
     r, tp, d = settings.lora_rank, settings.tp, shape.hidden
     targets = set(settings.lora_targets)
     dense = 0
-    if "linear_qkv" in targets and shape.mla is None:  # A [r, d] replicated, B [qkv/tp, r]
-        dense += r * d + (shape.heads + 2 * shape.query_groups) * shape.kv_channels // tp * r
+    if "linear_qkv" in targets:  # per projection: A [r, in] replicated, B [out/tp, r]
+        dense += sum(r * n_in + n_out // tp * r for n_in, n_out in _attention_inputs(shape))
     if "linear_proj" in targets:  # A [r, hc/tp], B [d, r]
         dense += r * shape.attention_width // tp + d * r
     fc1_out = 2 if shape.gated else 1

@@ -44,6 +44,7 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     # With --hf-checkpoint: config.json, the index and every shard's header, and (unless
     # --no-hf-shape-check) every tensor's shape against config.json.
     model_config, _ = open_model(run.model, check_shapes=run.model.hf_shape_check)
+    _check_model_fits_run(run, model_config)
     tokenizer = _check_tokenizer(run, model_config)
     _check_base_checkpoint(run, model_config, tokenizer)
     _check_adapter_init(run, model_config, tokenizer)
@@ -156,13 +157,8 @@ def _check_image_text_paths(run: RunConfig) -> None:
             raise ConfigError(f"--vision-checkpoint {vision.checkpoint}: {err}") from None
 
 
-def _check_tokenizer(run: RunConfig, model_config):
-    """The run's tokenizer (``tokenizer_path``, through the node cache if it is an object),
-    checked against the sequence length and vocabulary of the model."""
-    from megatron_slmoe.data.errors import DataError
-    from megatron_slmoe.data.tokenizer import load_tokenizer
-    from megatron_slmoe.storage import Storage, StorageError
-
+def _check_model_fits_run(run: RunConfig, model_config) -> None:
+    """The model config against what the run asks of it."""
     data = run.data
     if data.format == "instruction" and model_config.transformer.get("masked_softmax_fusion"):
         # Megatron's fused causal softmax (GPU, 16-bit) takes no mask: packed examples would see
@@ -174,6 +170,16 @@ def _check_tokenizer(run: RunConfig, model_config):
         raise ConfigError(f"--seq-length {data.seq_length} exceeds the model's "
                           f"max_sequence_length {model_config.max_sequence_length} "
                           f"({model_config.source})")
+
+
+def _check_tokenizer(run: RunConfig, model_config):
+    """The run's tokenizer (``tokenizer_path``, through the node cache if it is an object),
+    checked against the sequence length and vocabulary of the model."""
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.storage import Storage, StorageError
+
+    data = run.data
     try:
         tokenizer = load_tokenizer(Storage(run.storage).local_file(tokenizer_path(run)))
     except (DataError, StorageError) as err:

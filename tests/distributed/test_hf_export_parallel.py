@@ -112,8 +112,8 @@ def test_exported_adapter_gives_the_finetuned_logits(checkpoints, tmp_path, fami
             "--eval-iters", "1", "--lora-rank", "4", "--fp32", "--no-tensorboard",
             "--output-dir", str(output), "--export-hf", str(peft_dir),
             "--export-hf-layout", "fused"]
-    if family == "deepseek_v3":  # MLA has no linear_qkv; adapt the shared experts and router too
-        args += ["--lora-target-modules", "linear_proj", "linear_fc1", "linear_fc2",
+    if family == "deepseek_v3":  # linear_qkv: MLA's q/kv down and up projections
+        args += ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
                  "shared_experts", "router"]
     if layout == "ep2":
         results = run_ranks(finetune_and_export, 2, ep=2,

@@ -148,6 +148,10 @@ def inputs(tmp_path_factory, megatron_single_rank):
     (files["base_nometa"] / ".metadata").unlink()
     files["base_zero"] = _fake_base(root / "bases" / "zero", manifest=False)
     (files["base_zero"] / "__0_0.distcp").write_bytes(b"")
+    files["hf_empty"] = root / "hf" / "empty"
+    files["hf_empty"].mkdir(parents=True)
+    files["hf_no_shards"] = _write(root / "hf" / "no-shards" / "config.json",
+                                   '{"architectures": ["Qwen3MoeForCausalLM"]}').parent
     files["adapter"] = _fake_adapter(root / "adapters" / "good")
     files["adapter_r16"] = _fake_adapter(root / "adapters" / "r16", rank=16)
     files["adapter_alpha"] = _fake_adapter(root / "adapters" / "alpha", alpha=4.0)
@@ -264,6 +268,15 @@ ENTRY_POINT_CASES = [
      "adapter_config.json is not valid JSON"),
     ("--adapter-init", ["--adapter-init", "{adapter_noconf}"], "cannot read"),
     ("--adapter-init", ["--adapter-init", "{adapter_cut}"], "is not a readable safetensors file"),
+    # Hugging Face checkpoints, exports, object storage
+    ("--hf-checkpoint", ["--hf-checkpoint", "{root}/nowhere"], "no such directory"),
+    ("--hf-checkpoint", ["--hf-checkpoint", "{hf_empty}"], "no config.json in the checkpoint"),
+    ("--hf-checkpoint", ["--hf-checkpoint", "{hf_no_shards}"], "no *.safetensors shards"),
+    ("--export-hf", ["--export-hf", "{root}/peft-out"],
+     "--export-hf needs --hf-checkpoint and --finetune-mode lora"),
+    ("--export-hf-layout", ["--export-hf-layout", "diagonal"], "invalid choice: 'diagonal'"),
+    ("--output-url", ["--output-url", "ftp://bucket/run"], "expected an s3:// or msc:// URL"),
+    ("--train-data", ["--train-data", "s3://"], "'' is not a valid bucket name"),
     # the output directory of an earlier run
     ("--output-dir", ["--lora-rank", "16", "--output-dir", "{run_r8}"],
      "--lora-rank 16 differs from 8 in {run_r8}/config.yaml, the run this would resume"),

@@ -18,7 +18,9 @@ ATTENTION_AND_EXPERTS = ["linear_proj", "linear_fc1", "linear_fc2"]
 CASES = {
     # Every target the HF model has: a dense layer 0 and, for DeepSeek, shared experts.
     ("qwen3_moe", "fused"): (dict(), ["linear_qkv", *ATTENTION_AND_EXPERTS, "router"]),
-    ("deepseek_v3", "fused"): (dict(), [*ATTENTION_AND_EXPERTS, "shared_experts", "router"]),
+    # MLA: linear_qkv adapts q_a/q_b_proj and kv_a_proj_with_mqa/kv_b_proj.
+    ("deepseek_v3", "fused"): (dict(), [*ATTENTION_AND_EXPERTS, "linear_qkv", "shared_experts",
+                                        "router"]),
     # Per-expert modules on transformers 5: PEFT converts them to the fused form, taking every
     # gate/up/down_proj target for an expert projection, so no dense MLP may be adapted.
     # NemotronH: `backbone.` on disk, fused relu2 experts in memory, latent projections; the
@@ -29,7 +31,8 @@ CASES = {
                                               "shared_experts", "router", "latent"]),
     ("qwen3_moe", "per-expert"): (dict(mlp_only_layers=[]), ["linear_qkv",
                                                              *ATTENTION_AND_EXPERTS]),
-    ("deepseek_v3", "per-expert"): (dict(first_k_dense_replace=0), ATTENTION_AND_EXPERTS),
+    ("deepseek_v3", "per-expert"): (dict(first_k_dense_replace=0, q_lora_rank=None),
+                                    [*ATTENTION_AND_EXPERTS, "linear_qkv"]),  # q_proj
 }
 
 
@@ -75,6 +78,10 @@ def test_peft_loads_the_adapter_with_the_megatron_logits(trained, family, layout
     with safe_open(str(root / "peft" / "adapter_model.safetensors"), "pt") as f:
         keys = list(f.keys())
     assert all(k.startswith("base_model.model.model.layers.") for k in keys)
+    if family == "deepseek_v3":  # MLA input projections under linear_qkv
+        mla = ("kv_a_proj_with_mqa", "kv_b_proj") + (("q_proj",) if layout == "per-expert"
+                                                      else ("q_a_proj", "q_b_proj"))
+        assert all(any(f".self_attn.{m}.lora_A.weight" in k for k in keys) for m in mla)
     if layout == "per-expert":
         assert any(".mlp.experts.3.down_proj.lora_B.weight" in k for k in keys)
     else:
@@ -198,7 +205,8 @@ def _peft_made_adapter(family, directory):
              "deepseek_v3": ["model.layers.0.mlp.up_proj.weight"],
              "nemotron_h": ["model.layers.3.mixer.up_proj.weight"], "stable_latent_moe": []}
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "q_proj", "v_proj"]
-                        if family != "deepseek_v3" else ["o_proj"],
+                        if family != "deepseek_v3" else ["o_proj", "q_a_proj", "q_b_proj",
+                                                         "kv_a_proj_with_mqa", "kv_b_proj"],
                         target_parameters=experts.get(family, ["mlp.experts.gate_up_proj",
                                                                "mlp.experts.down_proj"])
                         + dense[family],

@@ -85,6 +85,18 @@ def test_census_of_hf_shaped_configs_equals_meta_census(megatron_single_rank, tm
     path = tmp_path / f"{case}.yaml"
     path.write_text(_HF_SHAPED.format(**fields))
     assert census(load_shape(path)) == count_parameters(load_model_config(path))
+    # The planner's LoRA parameters (every target the model has) equal the adapted model's.
+    from megatron_slmoe.lora import LoRAConfig, inject_lora
+    from megatron_slmoe.model.build import build_gpt_model
+
+    targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "shared_experts",
+               "router"] + (["latent"] if case == "squared-relu-experts" else [])
+    mc = load_model_config(path)
+    model = build_gpt_model(mc, mc.transformer_config(use_cpu_initialization=True))
+    inject_lora([model], LoRAConfig(rank=4, targets=targets))
+    adapted = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    settings = RunSettings(lora_rank=4, lora_targets=tuple(targets), **TINY_FP32)
+    assert estimate_memory(load_shape(path), settings, CPU).stages[0].trainable_params == adapted
 
 
 def test_flagship_weights_are_5p6_tb_in_bf16():

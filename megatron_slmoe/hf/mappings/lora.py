@@ -27,6 +27,11 @@ _EXPERT_MODULE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.linear_
 # by the end of the rule's name; the modules PEFT import must give an adapter file.
 LORA_TARGET_OF_RULE = (
     (".self_attention.linear_qkv.weight", "linear_qkv"),
+    (".self_attention.linear_q_proj.weight", "linear_qkv"),  # multi-latent attention
+    (".self_attention.linear_q_down_proj.weight", "linear_qkv"),
+    (".self_attention.linear_q_up_proj.weight", "linear_qkv"),
+    (".self_attention.linear_kv_down_proj.weight", "linear_qkv"),
+    (".self_attention.linear_kv_up_proj.weight", "linear_qkv"),
     (".self_attention.linear_proj.weight", "linear_proj"),
     (".mlp.shared_experts.linear_fc1.weight", "shared_experts"),
     (".mlp.shared_experts.linear_fc2.weight", "shared_experts"),
