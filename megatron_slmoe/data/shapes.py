@@ -4,8 +4,13 @@ Each scene is a 32 x 32 image with one to three shapes (circle, square, triangle
 quadrant, all of different kinds and different colours (red, green, blue, yellow), drawn with a
 pixel of jitter on a light background. From scenes come
 
-* captions (the base model's pretraining): ``red circle top left, blue triangle bottom right``
-  (shapes in reading order of their quadrants);
+* captions (the base model's pretraining) list every shape of a scene in one of three orders,
+  drawn per scene: by position, ``red circle top left, blue triangle bottom right`` (reading order
+  of the quadrants); by shape, ``circle: red top left, triangle: blue bottom right``; by colour,
+  ``blue: triangle bottom right, red: circle top left``. With the position order alone a colour
+  word only ever names "the next shape in reading order", which the tiny base never learns to
+  find: its colour words stayed at chance while it read shapes from the image; keyed by shape
+  and colour, it learns to look a shape up by an attribute, as the questions ask;
 * questions (the LoRA task), one per image, of four kinds with their answers:
   ``What colour is the circle?`` -> ``red``; ``Which shape is blue?`` -> ``triangle``;
   ``Where is the square?`` -> ``top left``; ``How many shapes are there?`` -> ``2``.
@@ -77,9 +82,21 @@ def draw_scene(scene: Scene, rng: random.Random) -> bytes:
     return out.getvalue()
 
 
-def caption(scene: Scene) -> str:
-    return ", ".join(f"{colour} {shape} {POSITIONS[quadrant]}" for quadrant, colour, shape
-                     in scene)
+CAPTION_ORDERS = ("position", "shape", "colour")
+
+
+def caption(scene: Scene, order: str = "position") -> str:
+    """Every shape of the scene, in ``order`` (see the module doc)."""
+    if order == "position":
+        return ", ".join(f"{colour} {shape} {POSITIONS[quadrant]}"
+                         for quadrant, colour, shape in scene)
+    if order == "shape":
+        return ", ".join(f"{shape}: {colour} {POSITIONS[quadrant]}"
+                         for quadrant, colour, shape in sorted(scene, key=lambda s: s[2]))
+    if order == "colour":
+        return ", ".join(f"{colour}: {shape} {POSITIONS[quadrant]}"
+                         for quadrant, colour, shape in sorted(scene, key=lambda s: s[1]))
+    raise ValueError(f"caption order {order!r} is not one of {', '.join(CAPTION_ORDERS)}")
 
 
 def question(scene: Scene, rng: random.Random) -> Tuple[str, str]:
@@ -162,7 +179,7 @@ def generate(out_dir: str, seed: int = SEED, captions: int = 3000, vqa_train: in
             with open(os.path.join(images, name), "wb") as f:
                 f.write(draw_scene(scene, rng))
             if split == "captions":
-                user, answer = "Describe the image.", caption(scene)
+                user, answer = "Describe the image.", caption(scene, rng.choice(CAPTION_ORDERS))
             else:
                 user, answer = question(scene, rng)
             records[split].append(_record(name[:-4], name, user, answer))

@@ -1,5 +1,5 @@
-"""The synthetic shapes task of the multimodal demo: captions describe every shape of their scene,
-questions have one right answer that the scene determines, and a run's answers
+"""The synthetic shapes task of the multimodal demo: captions describe every shape of their scene
+in each order, questions have one right answer that the scene determines, and a run's answers
 files are scored by question kind."""
 
 import json
@@ -14,10 +14,14 @@ def _scenes(count: int):
     return [shapes.make_scene(random.Random(f"test:{i}")) for i in range(count)]
 
 
-def test_captions_name_every_shape_with_its_colour_and_position_in_reading_order():
+@pytest.mark.parametrize("order", shapes.CAPTION_ORDERS)
+def test_captions_name_every_shape_with_its_colour_and_position(order):
+    keyed = {"position": "{c} {s} {p}", "shape": "{s}: {c} {p}", "colour": "{c}: {s} {p}"}[order]
+    sort = {"position": 0, "shape": 2, "colour": 1}[order]
     for scene in _scenes(50):
-        parts = shapes.caption(scene).split(", ")
-        assert parts == [f"{c} {s} {shapes.POSITIONS[q]}" for q, c, s in sorted(scene)]
+        parts = shapes.caption(scene, order).split(", ")
+        assert parts == [keyed.format(c=c, s=s, p=shapes.POSITIONS[q])
+                         for q, c, s in sorted(scene, key=lambda t: t[sort])]
 
 
 def test_questions_are_answered_by_their_scene():
