@@ -5,6 +5,7 @@
         [--expert-layout per-expert|fused]
     slmoe-convert-hf export --merged --adapter RUN/adapter --hf-checkpoint DIR --output HF_DIR
     slmoe-convert-hf import-adapter --peft-adapter PEFT_DIR --hf-checkpoint DIR --output ADAPTER
+    slmoe-convert-hf export-weights --checkpoint MEGATRON_DIR --hf-checkpoint DIR --output HF_DIR
     torchrun --nproc-per-node 8 -m megatron_slmoe.commands.convert_hf import --hf-checkpoint DIR \\
         --output OUT --expert-model-parallel-size 8   # each rank holds and reads only its shard
 
@@ -17,6 +18,11 @@ how the work and memory are split.
 
 ``export`` needs no process group: the adapter file is the same whatever the run's layout, and
 it streams one tensor at a time (``megatron_slmoe.hf.peft_export``, ``hf.merged_export``).
+``export-weights`` writes the weights of a Megatron dist checkpoint of an imported model (a full
+fine-tune's ``--save-base``, or ``import``'s output) as an HF checkpoint of the family of
+``--hf-checkpoint`` (its config and tokenizer files): each rank loads its shard, rank 0 assembles
+and writes one HF weight at a time (``hf.megatron_export``); run it under torchrun with the
+parallel sizes that fit the model in memory.
 
 Bad input (missing or truncated shard, an index naming a file that is not there, a config whose
 sizes disagree with the tensors, an unknown architecture, an existing non-empty output) is one
@@ -70,6 +76,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "--hf-checkpoint), e.g. the hub id serving stacks load")
     exp.add_argument("--max-shard-size-mib", type=int, default=5120,
                      help="merged checkpoint: MiB per safetensors shard")
+    weights = commands.add_parser("export-weights", help="Megatron dist checkpoint -> HF "
+                                                         "checkpoint (e.g. after full fine-tuning)")
+    weights.add_argument("--checkpoint", required=True,
+                         help="Megatron dist checkpoint of a model imported from --hf-checkpoint")
+    weights.add_argument("--hf-checkpoint", required=True,
+                         help="the HF checkpoint the model was imported from (config, tokenizer)")
+    weights.add_argument("--output", required=True, help="new (or empty) directory")
+    weights.add_argument("--max-shard-size-mib", type=int, default=5120,
+                         help="MiB per safetensors shard")
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--expert-model-parallel-size"):
+        weights.add_argument(flag, type=int, default=1)
+    weights.set_defaults(hf_shape_check=False)
     imp_adapter = commands.add_parser("import-adapter", help="PEFT adapter -> megatron_slmoe "
                                                              "adapter (for --adapter-init)")
     imp_adapter.add_argument("--peft-adapter", required=True,
@@ -180,6 +199,48 @@ def run_export(args) -> str:
         raise BadInput(str(err)) from None
 
 
+def run_export_weights(args) -> str:
+    import torch
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.hf.errors import HFCheckpointError
+    from megatron_slmoe.hf.megatron_export import export_megatron_weights
+
+    if not os.path.isfile(os.path.join(args.checkpoint, "metadata.json")):
+        raise BadInput(f"--checkpoint {args.checkpoint}: not a Megatron dist checkpoint (no "
+                       f"metadata.json)")
+    if args.max_shard_size_mib < 1:
+        raise BadInput(f"--max-shard-size-mib must be >= 1, got {args.max_shard_size_mib}")
+    hf, output = _prepare(args)
+    formed = _init_distributed(args)
+    try:
+        model, _ = build_model_in_layout(hf.model_config)
+        try:
+            state = dist_checkpointing.load(model.sharded_state_dict(), args.checkpoint)
+            model.load_state_dict(state, strict=True)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001  (one line for them all)
+            if isinstance(err, CheckpointException) and err.failures:  # the first rank's cause
+                err = next(iter(err.failures.values()))
+                err = err[0] if isinstance(err, tuple) else err  # (exception, traceback)
+            text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+            first = (text.strip().splitlines() or [type(err).__name__])[0]
+            first = first if len(first) <= 200 else first[:200] + "..."
+            raise BadInput(f"--checkpoint {args.checkpoint} does not load into the model of "
+                           f"{args.hf_checkpoint}: {first}") from None
+        return export_megatron_weights([model], hf, output,
+                                       max_shard_bytes=args.max_shard_size_mib * 2**20)
+    except HFCheckpointError as err:
+        raise BadInput(str(err)) from None
+    finally:
+        if formed:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
 def run_import_adapter(args) -> str:
     from megatron_slmoe.hf.errors import HFCheckpointError
     from megatron_slmoe.hf.peft_import import peft_to_adapter
@@ -199,9 +260,12 @@ def main(argv=None) -> int:
     import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
 
     output = {"export": run_export, "import-adapter": run_import_adapter,
-              "import": run_import}[args.command](args)
+              "import": run_import, "export-weights": run_export_weights}[args.command](args)
     if args.command == "export":
         print(f"exported {args.adapter or args.hf_checkpoint} -> {output}")
+    elif args.command == "export-weights":
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"exported {args.checkpoint} -> {output}")
     elif args.command == "import-adapter":
         print(f"imported {args.peft_adapter} -> {output} (--adapter-init {output})")
     elif int(os.environ.get("RANK", "0")) == 0:

@@ -63,6 +63,30 @@ def test_import_writes_a_base_checkpoint_that_gives_hf_logits(checkpoints, tmp_p
                                rtol=1e-5, atol=1e-5)
 
 
+def test_export_weights_writes_an_imported_checkpoint_back_bitwise(checkpoints, tmp_path,
+                                                                    capsys):
+    """import -> Megatron dist checkpoint -> export-weights: every tensor bitwise as
+    save_pretrained wrote it (what a full fine-tune's --save-base goes back to HF through); a
+    checkpoint of another model is one line, exit 2, nothing written."""
+    root, _ = checkpoints
+    megatron = tmp_path / "megatron"
+    assert convert_hf.main(["import", "--hf-checkpoint", str(root / "qwen"),
+                            "--output", str(megatron)]) == 0
+    out = tmp_path / "hf-out"
+    assert convert_hf.main(["export-weights", "--checkpoint", str(megatron), "--hf-checkpoint",
+                            str(root / "qwen"), "--output", str(out),
+                            "--max-shard-size-mib", "1"]) == 0
+    hf_models.assert_same_tensors(root / "qwen", out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
+    capsys.readouterr()
+    other = tmp_path / "other"
+    assert convert_hf.main(["export-weights", "--checkpoint", str(megatron), "--hf-checkpoint",
+                            str(root / "deepseek"), "--output", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not load into the model of" in err, err
+    assert not other.exists() and not _staging_left(tmp_path)
+
+
 # --- bad input -------------------------------------------------------------------------------------
 
 
