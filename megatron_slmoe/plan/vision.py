@@ -11,8 +11,9 @@ the combined length), so its estimate does not change. Frozen tower and projecto
 keep nothing for backward: their input needs no gradient. LoRA on ``vision_attention`` or
 ``projector`` makes autograd keep the layers' activations, as for the language model's layers.
 
-Functions take d, the language model's width (the projector's output). Symbols: h tower width, F tower MLP width, p patch side, P projector inner width, d language
-width, s tokens per tile, n tiles per micro-batch.
+Functions take d, the language model's width (the projector's output). Symbols: h tower width,
+F tower MLP width, p patch side, P projector inner width, d language width, s tokens per tile,
+n tiles per micro-batch.
 """
 
 from __future__ import annotations
