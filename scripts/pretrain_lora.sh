@@ -258,7 +258,7 @@ fi
 if [ "$DEMO" = image-text ]; then
     demo=${SLMOE_DEMO_DIR:-runs/demo-image-text}
     base_iters=${SLMOE_DEMO_BASE_ITERS:-600}
-    lora_iters=${SLMOE_DEMO_LORA_ITERS:-300}
+    lora_iters=${SLMOE_DEMO_LORA_ITERS:-600}
     if [ ! -d "$demo/data" ] && [ "$DRY_RUN" = 0 ]; then
         echo "[demo] generating the synthetic shapes task -> $demo/data"
         python -m megatron_slmoe.data.shapes --out "$demo/data" >/dev/null
@@ -274,7 +274,8 @@ if [ "$DEMO" = image-text ]; then
     fi
     run="$demo/lora-$(date +%Y%m%d-%H%M%S)"
     echo "[demo] LoRA fine-tuning on the shapes questions -> $run"
-    # lr 1e-2: at 2e-3 the adapter had not learned even the answer format in 200 steps.
+    # lr 1e-2: at 2e-3 the adapter had not learned even the answer format in 200 steps; 600
+    # steps: held-out accuracy 0.64 against 0.58 after 300 (colour 0.47 -> 0.57).
     finetune --task image-text --base-checkpoint "$demo/base" --train-data "$demo/data/vqa" \
         --train-iters "$lora_iters" --lr 1e-2 --lr-warmup-iters 10 --lora-rank 8 \
         --lora-alpha 16 --eval-interval "$lora_iters" --save-interval "$lora_iters" \
