@@ -41,6 +41,9 @@ class VisionShape:
     projector_ffn: int
     tiles_per_sample: int
     """Tiles of one sample's image (one image per sample)."""
+    activation_tensors: int = 1
+    """Tensors the MLP activation keeps for backward per element: quick_gelu (x * sigmoid(1.702
+    x)) keeps its input and the sigmoid, gelu its input."""
 
     @classmethod
     def from_config(cls, vision, image_text) -> "VisionShape":
@@ -52,7 +55,8 @@ class VisionShape:
                    class_token=vision.model_type == "clip",
                    drop_class_token=vision.drop_class_token, projector=vision.projector_type,
                    projector_ffn=vision.projector_ffn_hidden_size,
-                   tiles_per_sample=image_text.max_tiles + (1 if image_text.thumbnail else 0))
+                   tiles_per_sample=image_text.max_tiles + (1 if image_text.thumbnail else 0),
+                   activation_tensors=2 if vision.activation == "quick_gelu" else 1)
 
     @property
     def tokens_per_tile(self) -> int:
@@ -68,7 +72,7 @@ class VisionShape:
 def _tower_split(v: VisionShape) -> tuple[int, int]:
     """(tensor-parallel parameters, replicated parameters) of the tower."""
     h, f = v.hidden, v.ffn_hidden
-    per_layer_split = 3 * h * h + 3 * h + h * h + h * f + f + f * h  # qkv, proj, fc1, fc2 (+ biases)
+    per_layer_split = 3 * h * h + 3 * h + h * h + h * f + f + f * h  # qkv, proj, fc1, fc2, biases
     per_layer_replicated = 2 * h + 4 * h  # proj and fc2 biases, two LayerNorms (weight, bias)
     # conv1, position embeddings, and either CLIP's class token and ln_pre or SigLIP's conv1
     # bias and ln_post (h + 2h both ways)
@@ -117,30 +121,37 @@ def vision_activations(v: VisionShape, d: int, targets, rank: int, tp: int,
                        micro_batch_size: int, element_size: int) -> tuple[int, int]:
     """(kept for backward, forward working set) of one micro-batch's images on one rank.
 
-    Kept: nothing unless LoRA adapts the tower's attention or the projector; then, per layer from
-    the first adapted one on, what Megatron's local ViT layer saves (LayerNorm inputs in fp32,
-    q/k/v, fp32 softmax probabilities and their copy, context, fc1 output and GELU output, the
-    LoRA inputs and their r-wide intermediates), and the projector's inputs and inner activations.
-    The working set: one layer's forward at a time (the frozen case's peak on top)."""
-    b, h, f = element_size, v.hidden, v.ffn_hidden
+    Kept: nothing unless LoRA adapts the tower's attention or the projector (the base weights
+    are frozen, so a frozen linear keeps nothing). LoRA on the attention: per layer, the LayerNorm
+    inputs (fp32, with mean and rstd; not the first layer's first, whose input needs no gradient;
+    SigLIP's ln_post too),
+    qkv's LoRA input and r-wide intermediate, q/k/v, the softmax probabilities, the context
+    (proj's LoRA input) and its r-wide intermediate, and what the MLP activation keeps; then the
+    projector's GELU input. LoRA on the projector: the LoRA inputs and intermediates of its
+    linears and the GELU's input. The working set: one layer's forward at a time (the frozen
+    case's peak on top)."""
+    b, h, f, r = element_size, v.hidden, v.ffn_hidden, rank
     tiles = micro_batch_size * v.tiles_per_sample
     tokens = tiles * v.tokens_per_tile
-    heads = v.heads // tp
+    projected = tiles * v.projected_per_tile
     probs = _FP32 + (b if b < _FP32 else 0)
-    layer = (2 * (_FP32 * h + _FP32) * tokens  # two LayerNorms' inputs and rsqrt
-             + (3 * h // tp + h // tp) * b * tokens  # q, k, v; the context
-             + heads * v.tokens_per_tile ** 2 * tiles * probs  # softmax probabilities
-             + (h + 2 * f // tp) * b * tokens)  # fc1's input, output, GELU's output
+    softmax = v.heads // tp * v.tokens_per_tile ** 2 * tiles * probs
+    layer = (2 * (_FP32 * h + _FP32) * tokens + (3 * h // tp + h // tp) * b * tokens + softmax
+             + (h + 2 * f // tp) * b * tokens)  # one layer's forward (the working set)
     working = layer
     kept = 0
     if "vision_attention" in targets:
-        lora = (h + rank + h // tp + rank) * b * tokens  # qkv's and proj's LoRA inputs, r each
-        kept += v.layers * (layer + lora)
+        norm = _FP32 * (h + 2) * tokens
+        attention = (h + 3 * h // tp + h // tp + 2 * r) * b * tokens + softmax
+        mlp = v.activation_tensors * f // tp * b * tokens
+        kept += v.layers * (2 * norm + attention + mlp) - norm
+        if not v.class_token:  # SigLIP's ln_post after the layers (CLIP's ln_pre keeps nothing)
+            kept += norm
+    p = 0 if v.projector == "affine" else v.projector_ffn // tp
+    if "projector" in targets:  # affine: its LoRA input; mlp: fc1's, the GELU's and fc2's inputs
+        kept += (h + r if v.projector == "affine" else h + 2 * p + 2 * r) * b * projected
+    elif "vision_attention" in targets:
+        kept += p * b * projected  # the GELU's input
     if "projector" in targets or "vision_attention" in targets:
-        inner = 0 if v.projector == "affine" else 2 * v.projector_ffn // tp
-        kept += (h + inner) * b * tiles * v.projected_per_tile
-        if "projector" in targets:
-            kept += (2 * rank + (0 if v.projector == "affine" else v.projector_ffn // tp)) * b \
-                * tiles * v.projected_per_tile
-        working = max(working, (h + inner + d) * b * tiles * v.projected_per_tile)
+        working = max(working, (h + 2 * p + d) * b * projected)
     return kept, working

@@ -82,3 +82,45 @@ def test_image_text_run_settings_name_the_tower():
     assert settings.layout_error(load_shape("tiny")) is None
     assert text.replace(tp=2).layout_error(load_shape("tiny")) is None
     assert "1 vision attention heads" in settings.replace(tp=2).layout_error(load_shape("tiny"))
+
+
+@pytest.mark.parametrize("targets", [["vision_attention"], ["projector"], VISION_TARGETS],
+                         ids=["attention", "projector", "both"])
+@pytest.mark.parametrize("name", sorted(VISIONS))
+def test_vision_activations_equal_what_autograd_saves(megatron_single_rank, name, targets):
+    """The tower and projector run as LLaVAModel runs them (class token dropped, [s, b, h] into
+    the projector); the storages autograd keeps for backward, parameters excluded, are what the
+    planner says the first stage keeps for one micro-batch's images."""
+    import torch
+
+    from megatron_slmoe.config.run import ParallelConfig
+    from megatron_slmoe.lora import LoRAConfig, inject_lora
+    from megatron_slmoe.model.build import run_transformer_config
+    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.multimodal import build_multimodal_model
+    from megatron_slmoe.plan.vision import vision_activations
+
+    vision, micro_batch = VISIONS[name], 2
+    mc = load_model_config("tiny")
+    model = build_multimodal_model(mc, run_transformer_config(mc, ParallelConfig(), bf16=False),
+                                   vision, seq_length=64)
+    inject_lora(model, LoRAConfig(rank=4, alpha=8.0, targets=targets))
+    shape = VisionShape.from_config(vision, ImageTextConfig())
+    images = torch.randn(micro_batch * shape.tiles_per_sample, 3, vision.img_h, vision.img_w)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        embeddings = model.vision_model(images)
+        if shape.class_token and vision.drop_class_token:
+            embeddings = embeddings[:, 1:]
+        model.vision_projection(embeddings.permute(1, 0, 2).contiguous())
+    predicted, _ = vision_activations(shape, load_shape("tiny").hidden, targets, rank=4, tp=1,
+                                      micro_batch_size=micro_batch, element_size=4)
+    assert predicted == sum(kept.values())
