@@ -33,6 +33,7 @@ shows it; nothing is left at OUT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -133,8 +134,10 @@ def _prepare(args):
     return hf, output
 
 
-def _init_distributed(args) -> bool:
-    """Join (or form) the process group and Megatron's parallel state; True if we formed it."""
+@contextlib.contextmanager
+def _process_group(args):
+    """Inside: a process group and Megatron's parallel state, joined if one exists, else formed
+    (and torn down on the way out)."""
     import torch
 
     import megatron_slmoe
@@ -143,17 +146,23 @@ def _init_distributed(args) -> bool:
     from megatron_slmoe.training import model_setup
 
     if torch.distributed.is_initialized():
-        return False
+        yield
+        return
     if "RANK" not in os.environ:  # plain `slmoe-convert-hf`: a group of one (checked in _prepare)
         init_single_rank()
-        return True
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        distributed_timeout_minutes=60)
-    model_setup.init_distributed(parallel, 1234, megatron_slmoe.PLATFORM)
-    return True
+    else:
+        model_setup.init_distributed(ParallelConfig(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            distributed_timeout_minutes=60), 1234, megatron_slmoe.PLATFORM)
+    try:
+        yield
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
 
 
 def run_import(args) -> str:
@@ -163,18 +172,12 @@ def run_import(args) -> str:
     from megatron_slmoe.hf.errors import HFCheckpointError
 
     hf, output = _prepare(args)
-    formed = _init_distributed(args)
-    try:
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        return import_to_dist_checkpoint(hf, output, params_dtype=dtype)
-    except HFCheckpointError as err:
-        raise BadInput(str(err)) from None
-    finally:
-        if formed:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    with _process_group(args):
+        try:
+            return import_to_dist_checkpoint(hf, output, params_dtype=dtype)
+        except HFCheckpointError as err:
+            raise BadInput(str(err)) from None
 
 
 def run_export(args) -> str:
@@ -200,7 +203,6 @@ def run_export(args) -> str:
 
 
 def run_export_weights(args) -> str:
-    import torch
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
@@ -214,8 +216,7 @@ def run_export_weights(args) -> str:
     if args.max_shard_size_mib < 1:
         raise BadInput(f"--max-shard-size-mib must be >= 1, got {args.max_shard_size_mib}")
     hf, output = _prepare(args)
-    formed = _init_distributed(args)
-    try:
+    with _process_group(args):
         model, _ = build_model_in_layout(hf.model_config)
         try:
             state = dist_checkpointing.load(model.sharded_state_dict(), args.checkpoint)
@@ -229,16 +230,11 @@ def run_export_weights(args) -> str:
             first = first if len(first) <= 200 else first[:200] + "..."
             raise BadInput(f"--checkpoint {args.checkpoint} does not load into the model of "
                            f"{args.hf_checkpoint}: {first}") from None
-        return export_megatron_weights([model], hf, output,
-                                       max_shard_bytes=args.max_shard_size_mib * 2**20)
-    except HFCheckpointError as err:
-        raise BadInput(str(err)) from None
-    finally:
-        if formed:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
+        try:
+            return export_megatron_weights([model], hf, output,
+                                           max_shard_bytes=args.max_shard_size_mib * 2**20)
+        except HFCheckpointError as err:
+            raise BadInput(str(err)) from None
 
 
 def run_import_adapter(args) -> str:
