@@ -24,6 +24,7 @@ from megatron_slmoe.plan import (
 from megatron_slmoe.plan.__main__ import main as plan_main
 from megatron_slmoe.plan.devices import DeviceSpec, GiB
 from megatron_slmoe.plan.traffic import alltoall_bytes_per_layer
+from tests.helpers.autograd import saved_activation_bytes
 
 CPU = DeviceSpec("cpu", memory_bytes=2**40, bf16_tflops=1.0, intra_node_gbps=1.0,
                  inter_node_gbps=1.0)
@@ -142,23 +143,6 @@ def test_pipeline_stages_split_layers_and_hold_in_flight_microbatches():
     assert first.weights + last.weights == one.weights
 
 
-def _saved_activation_bytes(model, tokens, positions):
-    """Bytes of the distinct storages autograd keeps for backward (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    seen = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, positions, None, labels=tokens)
-    return sum(seen.values())
-
-
 @pytest.mark.parametrize("recompute", [None, "full"])
 def test_activations_equal_what_autograd_saves(megatron_single_rank, recompute):
     """One rank, top-k routing fills k rows per token exactly (no imbalance without EP)."""
@@ -177,7 +161,8 @@ def test_activations_equal_what_autograd_saves(megatron_single_rank, recompute):
     batch, seq = 2, 128
     tokens = torch.randint(0, mc.vocab_size, (batch, seq))
     positions = torch.arange(seq).expand(batch, seq)
-    measured = _saved_activation_bytes(model, tokens, positions)
+    measured = saved_activation_bytes(
+        model, lambda: model(tokens, positions, None, labels=tokens))
     s = RunSettings(micro_batch_size=batch, recompute=recompute or "none", **TINY_FP32)
     stage = estimate_memory(load_shape("tiny"), s, CPU).stages[0]
     predicted = (stage.activations + stage.moe_rows) / stage.in_flight

@@ -99,6 +99,7 @@ def test_vision_activations_equal_what_autograd_saves(megatron_single_rank, name
     from megatron_slmoe.model.config import load_model_config
     from megatron_slmoe.model.multimodal import build_multimodal_model
     from megatron_slmoe.plan.vision import vision_activations
+    from tests.helpers.autograd import saved_activation_bytes
 
     vision, micro_batch = VISIONS[name], 2
     mc = load_model_config("tiny")
@@ -107,20 +108,13 @@ def test_vision_activations_equal_what_autograd_saves(megatron_single_rank, name
     inject_lora(model, LoRAConfig(rank=4, alpha=8.0, targets=targets))
     shape = VisionShape.from_config(vision, ImageTextConfig())
     images = torch.randn(micro_batch * shape.tiles_per_sample, 3, vision.img_h, vision.img_w)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    def forward():  # as LLaVAModel runs them
         embeddings = model.vision_model(images)
         if shape.class_token and vision.drop_class_token:
             embeddings = embeddings[:, 1:]
         model.vision_projection(embeddings.permute(1, 0, 2).contiguous())
+
     predicted, _ = vision_activations(shape, load_shape("tiny").hidden, targets, rank=4, tp=1,
                                       micro_batch_size=micro_batch, element_size=4)
-    assert predicted == sum(kept.values())
+    assert predicted == saved_activation_bytes(model, forward)
