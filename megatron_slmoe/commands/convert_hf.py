@@ -140,8 +140,8 @@ def _process_group(args):
     (and torn down on the way out)."""
     import torch
 
-    import megatron_slmoe
-    from megatron_slmoe.config.run import ParallelConfig
+    from megatron_slmoe.platform import apply_adaptor
+    from megatron_slmoe.parallel.config import ParallelConfig
     from megatron_slmoe.platform.single_rank import init_single_rank
     from megatron_slmoe.training import model_setup
 
@@ -155,7 +155,7 @@ def _process_group(args):
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
-            distributed_timeout_minutes=60), 1234, megatron_slmoe.PLATFORM)
+            distributed_timeout_minutes=60), 1234, apply_adaptor())
     try:
         yield
     finally:
@@ -253,7 +253,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
     warnings.simplefilter("ignore", FutureWarning)
-    import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+    from megatron_slmoe.platform import apply_adaptor
+
+    apply_adaptor()
 
     output = {"export": run_export, "import-adapter": run_import_adapter,
               "import": run_import, "export-weights": run_export_weights}[args.command](args)

@@ -21,7 +21,7 @@ import time
 from megatron_slmoe.commands.cli import user_errors
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.model.census import count_parameters
-from megatron_slmoe.model.config import load_model_config
+from megatron_slmoe.model.model_file import load_model_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -130,14 +130,15 @@ def _check_args(args: argparse.Namespace, world_size: int) -> None:
 
 def _build(args: argparse.Namespace, platform):
     """This rank's stage of the base model (+ adapter), ready to generate."""
-    from megatron_slmoe.config.run import ModelSection, ParallelConfig
+    from megatron_slmoe.model.config import ModelSection
+    from megatron_slmoe.parallel.config import ParallelConfig
     from megatron_slmoe.lora.adapter import (
         AdapterError,
         load_adapter,
         read_adapter_config,
     )
     from megatron_slmoe.lora.inject import inject_lora
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.training import model_setup
 
     try:
@@ -178,7 +179,7 @@ def generate(args: argparse.Namespace) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    import megatron_slmoe
+    from megatron_slmoe.platform import apply_adaptor
     from megatron_slmoe.data.assets import asset_path
     from megatron_slmoe.data.errors import DataError
     from megatron_slmoe.data.tokenizer import load_tokenizer
@@ -195,7 +196,7 @@ def generate(args: argparse.Namespace) -> dict:
         raise BadInput(str(err)) from None
     conversations = read_prompts(args.prompts)
     requests = [request_for(tokenizer, m, args.max_new_tokens) for m in conversations]
-    model, model_config = _build(args, megatron_slmoe.PLATFORM)
+    model, model_config = _build(args, apply_adaptor())
     for number, request in enumerate(requests):
         length = len(request.prompt_ids) + request.max_new_tokens
         if length > model_config.max_sequence_length:

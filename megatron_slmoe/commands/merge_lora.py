@@ -74,7 +74,10 @@ def merge(args: argparse.Namespace) -> str:
     output = _check_paths(args)
     from megatron.core import dist_checkpointing
 
-    import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+    from megatron_slmoe.platform import apply_adaptor
+
+
+    apply_adaptor()
     from megatron_slmoe.lora.adapter import AdapterError, load_adapter, merge_lora
     from megatron_slmoe.model.build import build_gpt_model
     from megatron_slmoe.platform.single_rank import init_single_rank
@@ -116,7 +119,7 @@ def _model_config(args: argparse.Namespace):
     else what the adapter records; ``--config`` must agree with the base's record."""
     from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.lora.adapter import AdapterError, read_adapter_config
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.training.checkpointing import recorded_model_config
     from megatron_slmoe.training.inputs import check_base_model
 

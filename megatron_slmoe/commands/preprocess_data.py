@@ -37,7 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+    from megatron_slmoe.platform import apply_adaptor
+
+    apply_adaptor()
     from megatron_slmoe.data.pretrain import preprocess
     from megatron_slmoe.data.tokenizer import load_tokenizer
 

@@ -64,12 +64,12 @@ def _check(args) -> Optional[str]:
     from megatron_slmoe.training.finetune import parse
     from megatron_slmoe.training.inputs import check_inputs
 
-    import megatron_slmoe
+    from megatron_slmoe.platform import apply_adaptor
 
     os.environ.setdefault("WORLD_SIZE", str(args.nproc_per_node))
     try:
         command = parse([*args.finetune_args, "--lora-rank", str(max(args.ranks))])
-        check_inputs(command.run, args.nproc_per_node, megatron_slmoe.PLATFORM)
+        check_inputs(command.run, args.nproc_per_node, apply_adaptor())
     except ConfigError as err:
         return str(err)
     return None

@@ -30,7 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 @user_errors("megatron_slmoe.data.errors.DataError")
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+    from megatron_slmoe.platform import apply_adaptor
+
+    apply_adaptor()
     from megatron_slmoe.data.tokenizer import train_tokenizer
 
     logging.getLogger("megatron").setLevel(logging.ERROR)

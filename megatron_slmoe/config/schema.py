@@ -12,7 +12,8 @@ declaration::
             self.check(1 <= self.rank <= 256, "rank", f"must be in 1..256, got {self.rank}")
 
 A section's values are type-checked when it is constructed (from flags, YAML or code), then
-``validate()`` checks its own ranges; rules that span sections live in ``megatron_slmoe.config.run``.
+``validate()`` checks its own ranges; rules that span sections live in
+``megatron_slmoe.training.config``.
 """
 
 from __future__ import annotations

@@ -10,10 +10,6 @@ Modules:
 
 Object storage (S3/MinIO/OBS, msc profiles) and the node-local cache are ``megatron_slmoe.storage``
 (it serves checkpoints and outputs too); ``training/data_sources.py`` resolves data URLs through it.
-Nothing in this package downloads at run time.
+Nothing in this package downloads at run time. The settings are ``data.config`` (torch-free);
+import from the modules themselves: the package imports nothing.
 """
-
-from megatron_slmoe.data.errors import DataError, DataFileNotFoundError
-from megatron_slmoe.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
-
-__all__ = ["DataError", "DataFileNotFoundError", "Tokenizer", "load_tokenizer", "train_tokenizer"]

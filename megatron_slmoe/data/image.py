@@ -26,7 +26,7 @@ from typing import Tuple
 
 import torch
 
-from megatron_slmoe.config.run import CLIP_MEAN, CLIP_STD
+from megatron_slmoe.data.config import CLIP_MEAN, CLIP_STD
 
 
 class ImageDecodeError(ValueError):

@@ -60,7 +60,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from megatron_slmoe.config.run import IMAGE_TOKEN
+from megatron_slmoe.data.config import IMAGE_TOKEN
 from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.image import (
     ImageDecodeError,

@@ -7,7 +7,7 @@ the Stable Latent MoE as a transformers model.
     load_hf_weights([model], hf_dir, hf)        # every rank: only its own slices
 
 The fine-tuning entry point does the same with ``--hf-checkpoint DIR`` (the run settings
-``model.hf_checkpoint``, ``hf_shape_check``, ``hf_unmap_mib`` of ``megatron_slmoe.config.run``).
+``model.hf_checkpoint``, ``hf_shape_check``, ``hf_unmap_mib`` of ``megatron_slmoe.model.config``).
 
 Modules: ``checkpoint`` (the directory: index, shards, slices, block FP8), ``mappings`` (one
 module per family, the mapping kinds and expert layouts they share), ``loader`` (import into a

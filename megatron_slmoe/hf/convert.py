@@ -27,7 +27,7 @@ def build_model_in_layout(model_config, params_dtype: torch.dtype = torch.float3
     point builds it, without random initialisation (every tensor is about to be read)."""
     from megatron.core import parallel_state
 
-    from megatron_slmoe.config.run import ParallelConfig
+    from megatron_slmoe.parallel.config import ParallelConfig
     from megatron_slmoe.model.build import (
         build_gpt_model,
         mark_tensor_parallel_weights,
@@ -64,7 +64,7 @@ def import_to_dist_checkpoint(hf: HFModel, output: str,
     failure leaves nothing at ``output``."""
     from megatron.core import dist_checkpointing
 
-    from megatron_slmoe.model.config import dump_model_config
+    from megatron_slmoe.model.model_file import dump_model_config
     from megatron_slmoe.utils.atomic import atomic_directory, write_text_atomic
 
     output = os.path.abspath(output)

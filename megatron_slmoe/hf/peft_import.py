@@ -185,7 +185,7 @@ def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float]
     ``hf_dir`` into the new (or empty) directory ``output``; returns its path."""
     from safetensors import safe_open
 
-    from megatron_slmoe.config.run import LoRAConfig
+    from megatron_slmoe.lora.config import LoRAConfig
     from megatron_slmoe.lora.adapter import (
         ADAPTER_CONFIG,
         ADAPTER_WEIGHTS,

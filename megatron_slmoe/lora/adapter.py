@@ -40,7 +40,7 @@ from typing import Any, Mapping, Optional
 import torch
 from megatron.core import parallel_state
 
-from megatron_slmoe.config.run import LoRAConfig
+from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.config.schema import settings
 from megatron_slmoe.lora.base import LoRAPiece
 from megatron_slmoe.lora.inject import (

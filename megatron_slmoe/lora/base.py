@@ -50,7 +50,7 @@ from megatron.core.utils import (
     make_tp_sharded_tensor_for_checkpoint,
 )
 
-from megatron_slmoe.config.run import LoRAConfig
+from megatron_slmoe.lora.config import LoRAConfig
 
 TP_RNG = "model-parallel-rng"  # Megatron's tensor-parallel tracker (distinct per TP rank)
 

@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel.random import (
     get_expert_parallel_rng_tracker_name,
 )
 
-from megatron_slmoe.config.run import LoRAConfig
+from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.lora.base import (
     LoRAModule,
     LoRAPiece,

@@ -31,7 +31,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_slmoe.config.run import LoRAConfig
+from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.lora.base import is_lora_module
 from megatron_slmoe.lora.targets import TARGETS, LoRATargetError, adapt, kind_of, regions
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from megatron.core import parallel_state
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-from megatron_slmoe.config.run import LoRAConfig
+from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.lora.base import (
     TP_RNG,
     LoRALinearMixin,

@@ -45,7 +45,7 @@ from megatron.core.utils import (
     get_pg_size,
 )
 
-from megatron_slmoe.config.run import LoRAConfig
+from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.lora.base import (
     TP_RNG,
     LoRALinearMixin,

@@ -37,7 +37,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-from megatron_slmoe.config.run import LoRAConfig
+from megatron_slmoe.lora.config import TARGET_NAMES, LoRAConfig
 from megatron_slmoe.lora.experts import LoRALatentSwiGLUExperts
 from megatron_slmoe.lora.latent import LoRALatentProjection
 from megatron_slmoe.lora.linear import LoRAColumnParallelLinear, LoRARowParallelLinear
@@ -138,8 +138,8 @@ MODULE_KINDS: tuple[ModuleKind, ...] = (
                _linear, region="projector"),
 )
 
-TARGETS: tuple[str, ...] = tuple(dict.fromkeys(t for kind in MODULE_KINDS for t in kind.targets))
-"""The LoRA target names, in the order messages list them."""
+TARGETS: tuple[str, ...] = TARGET_NAMES
+"""The LoRA target names (defined torch-free in lora.config; MODULE_KINDS covers each of them)."""
 
 
 def regions(chunk: torch.nn.Module) -> dict[int, str]:

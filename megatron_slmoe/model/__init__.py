@@ -6,6 +6,7 @@ Megatron-Core's GPTModel with Stable Latent MoE layers, and the parameter census
 * ``build``: the TransformerConfig of a run and the GPTModel of this rank's stage;
 * ``census``: models on the meta device and their parameter counts;
 * ``multimodal``: Megatron's LLaVAModel with a CLIP/SigLIP ViT, its projector and the Stable
-  Latent MoE language model (``build_multimodal_model``; its settings: ``config.run.VisionConfig``);
+  Latent MoE language model (``build_multimodal_model``; its settings:
+  ``model.config.VisionConfig``);
 * ``hf_vision``: a vision tower imported from a Hugging Face CLIP or SigLIP checkpoint.
 """

@@ -14,8 +14,8 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_slmoe.config.run import ParallelConfig
-from megatron_slmoe.model.config import ModelConfig
+from megatron_slmoe.parallel.config import ParallelConfig
+from megatron_slmoe.model.model_file import ModelConfig
 
 
 def run_transformer_config(model_config: ModelConfig, parallel: ParallelConfig, bf16: bool,
@@ -59,6 +59,10 @@ def build_gpt_model(model_config: ModelConfig, transformer_config: TransformerCo
                     vp_stage: int | None = None):
     """Megatron's GPTModel with Stable Latent MoE layers (this rank's pipeline stage)."""
     from megatron.core.models.gpt import GPTModel
+
+    from megatron_slmoe.platform import apply_adaptor
+
+    apply_adaptor()
 
     from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
 

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
 from megatron_slmoe.model.build import build_gpt_model
-from megatron_slmoe.model.config import ModelConfig
+from megatron_slmoe.model.model_file import ModelConfig
 from megatron_slmoe.platform.single_rank import init_single_rank
 
 _META = torch.device("meta")

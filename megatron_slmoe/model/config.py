@@ -1,309 +1,146 @@
-"""Model configurations: YAML files of Megatron-Core TransformerConfig fields, read and checked.
-
-A model file is a mapping with two sections::
-
-    model:            # TransformerConfig fields, spelled as Megatron spells them, plus the
-      num_layers: 4   # GPTModel arguments in GPT_FIELDS (vocab_size, max_sequence_length, ...)
-      ...
-    slmoe:            # SLMoEConfig fields (optional section)
-      freeze_router: false
-
-Only model fields belong in a file: run settings (parallel sizes, dtypes, initialisation, the
-fields of Megatron's ModelParallelConfig) are passed as overrides to
-``ModelConfig.transformer_config``. The packaged files live in ``megatron_slmoe/model/configs/``;
-``load_model_config("tiny")`` finds ``configs/tiny.yaml``. Building the model: ``model.build``.
-"""
+"""The model section (which model, its starting weights, what is trained, the precision) and the
+vision tower's section. Torch-free: the model files themselves are read by
+``megatron_slmoe.model.model_file``."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
-import importlib.resources
-import os
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional
-
-import torch
-import torch.nn.functional as F
-import yaml
-from megatron.core.activations import squared_relu
-from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 from megatron_slmoe.config.errors import ConfigError
-from megatron_slmoe.config.types import coerce, describe, matches
-from megatron_slmoe.model.validation import (
-    EXPERT_TENSOR_PARALLEL_SIZE,
-    flag,
-    make_transformer_config,
-    validate_moe_config,
-)
-from megatron_slmoe.moe.config import SLMoEConfig
-
-_REQUIRED = object()
-
-# GPTModel arguments a model file may set: name -> (type, default).
-GPT_FIELDS: dict[str, tuple[Any, Any]] = {
-    "vocab_size": (int, _REQUIRED),
-    "max_sequence_length": (int, _REQUIRED),
-    "position_embedding_type": (Literal["learned_absolute", "rope", "mrope", "yarn", "none"],
-                                "rope"),
-    "share_embeddings_and_output_weights": (bool, False),
-    "rotary_percent": (float, 1.0),
-    "rotary_base": (int, 10000),
-}
-
-# Defaults of ours where Megatron's do not suit a Stable Latent MoE model; a file or an override
-# may still set them.
-_DEFAULTS: dict[str, Any] = {
-    "add_bias_linear": False,
-    # Megatron's default is the TP size; our experts stay whole (see model.validation).
-    "expert_tensor_parallel_size": EXPERT_TENSOR_PARALLEL_SIZE,
-    "moe_grouped_gemm": False,
-}
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-# ``activation_func`` by name in a model file. Non-gated squared-ReLU experts are chosen as in
-# Megatron-Core: ``gated_linear_unit: false`` with ``activation_func: squared_relu``.
-ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "squared_relu": squared_relu, "gelu": F.gelu}
+from megatron_slmoe.config.schema import Section, setting
+from megatron_slmoe.storage.config import check_locations
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    """The file's stem (``tiny``)."""
-    source: str
-    """Where it was read from."""
-    transformer: Mapping[str, Any]
-    """TransformerConfig fields of the model (read-only)."""
-    vocab_size: int
-    max_sequence_length: int
-    position_embedding_type: str = "rope"
-    share_embeddings_and_output_weights: bool = False
-    rotary_percent: float = 1.0
-    rotary_base: int = 10000
-    slmoe: SLMoEConfig = field(default_factory=SLMoEConfig)
+class ModelSection(Section):
+    """The model, its starting weights, what is trained, and the precision."""
 
-    def transformer_config(self, **overrides: Any) -> TransformerConfig:
-        """The validated TransformerConfig of this model with run settings applied (parallel
-        sizes, ``bf16``/``fp16``/``params_dtype``, ``perform_initialization``, ...). Also fills
-        what a YAML file cannot say: SiLU for gated linear units, the params dtype of bf16/fp16,
-        the pipeline dtype under pipeline parallelism."""
-        unknown = sorted(set(overrides) - set(_transformer_hints()))
-        if unknown:
-            raise ConfigError(f"{flag(unknown[0])}: {unknown[0]!r} is not a TransformerConfig "
-                              f"field")
-        fields = {**_DEFAULTS, **copy.deepcopy(dict(self.transformer)), **overrides}
-        if isinstance(fields.get("activation_func"), str):
-            fields["activation_func"] = ACTIVATIONS[fields["activation_func"]]
-        if fields.get("gated_linear_unit") and "activation_func" not in fields:
-            fields["activation_func"] = F.silu
-        if fields.get("multi_latent_attention"):
-            # MLA applies its own rotary embedding, configured on the TransformerConfig.
-            fields.setdefault("rotary_base", self.rotary_base)
-            fields.setdefault("rotary_percent", self.rotary_percent)
+    section_name = "model"
 
-        for name, dtype in _DTYPES.items():
-            if fields.get(name) and "params_dtype" not in fields:
-                fields["params_dtype"] = dtype
-        if fields.get("pipeline_model_parallel_size", 1) > 1 and "pipeline_dtype" not in fields:
-            fields["pipeline_dtype"] = fields.get("params_dtype", torch.float32)
-        validate_moe_config(
-            fields,
-            tensor_parallel=fields.get("tensor_model_parallel_size", 1),
-            expert_parallel=fields.get("expert_model_parallel_size", 1),
-            expert_tensor_parallel=fields["expert_tensor_parallel_size"],
-            pipeline_parallel=fields.get("pipeline_model_parallel_size", 1),
-        )
-        config = make_transformer_config(fields)
-        if self.vocab_size % config.tensor_model_parallel_size:
-            raise ConfigError(f"--tensor-model-parallel-size {config.tensor_model_parallel_size} "
-                              f"does not divide the model's vocab_size {self.vocab_size} "
-                              f"(Megatron shards the embedding by vocabulary rows)")
-        return config
+    config: str = setting("tiny", flag="--model-config",
+                          help="packaged model config name (tiny, small, flagship_2p8t) or a YAML "
+                               "file of TransformerConfig fields")
+    base_checkpoint: Optional[str] = setting(
+        None, flag="--base-checkpoint",
+        help="Megatron dist checkpoint with the base weights, a directory or an s3:// / msc:// "
+             "prefix (default: random initialisation)")
+    hf_checkpoint: Optional[str] = setting(
+        None, flag="--hf-checkpoint",
+        help="Hugging Face checkpoint directory (config.json, safetensors shards): the model is "
+             "built from its config.json and each rank reads only its own slices of the weights; "
+             "also the default --tokenizer (instead of --model-config and --base-checkpoint)")
+    hf_shape_check: bool = setting(
+        True, flag="--hf-shape-check",
+        help="with --hf-checkpoint: check every tensor's presence and shape against config.json "
+             "before starting (--no-hf-shape-check: only when a rank reads it)")
+    hf_unmap_mib: int = setting(
+        64, flag="--hf-unmap-mib",
+        help="with --hf-checkpoint: MiB of shard file pages a rank keeps mapped while loading (its "
+             "peak host memory is its shard, one source tensor and this window)")
+    adapter_init: Optional[str] = setting(
+        None, flag="--adapter-init",
+        help="start from this adapter (a directory or an s3:// / msc:// prefix) instead of fresh "
+             "LoRA weights: one a run saved, "
+             "or a PEFT adapter of the --hf-checkpoint base (its rank, alpha and targets are taken)")
+    finetune_mode: Literal["lora", "full"] = setting(
+        "lora", flag="--finetune-mode",
+        help="'lora' trains adapters on a frozen base; 'full' trains every weight (how the "
+             "demo's tiny base is made)")
+    precision: Literal["auto", "bf16", "fp32"] = setting(
+        "auto", flag="--precision", switches={"--bf16": "bf16", "--fp32": "fp32"},
+        help="parameter and compute dtype; auto: bf16 on GPUs/NPUs, fp32 on CPU "
+             "(--bf16 / --fp32 are shorthands)")
 
-    def gpt_kwargs(self) -> dict[str, Any]:
-        """The GPTModel keyword arguments this file sets."""
-        return {name: getattr(self, name) for name in GPT_FIELDS}
+    def validate(self) -> None:
+        self.check(bool(self.config), "config", "must name a model config")
+        check_locations(self, "base_checkpoint", "adapter_init")
+        if self.finetune_mode == "full" and self.adapter_init:
+            raise ConfigError("--adapter-init needs --finetune-mode lora")
+        self.check_positive("hf_unmap_mib")
+        if self.hf_checkpoint is not None:
+            self.check(bool(self.hf_checkpoint), "hf_checkpoint", "must be a directory")
+            self.check(not self.base_checkpoint, "hf_checkpoint",
+                       "and --base-checkpoint are exclusive: the base weights come from one of them")
+            self.check(self.config == type(self).config, "hf_checkpoint",
+                       "and --model-config are exclusive: the model is the checkpoint's config.json")
 
 
-# --- reading a file --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VisionConfig(Section):
+    """The vision tower and projector of --task image-text (the defaults: the CPU demo's)."""
 
+    section_name = "vision"
 
-def packaged_configs() -> list[str]:
-    """Names of the model configs shipped with the package."""
-    folder = importlib.resources.files("megatron_slmoe.model") / "configs"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    model_type: Literal["clip", "siglip"] = setting(
+        "clip", flag="--vision-model-type",
+        help="clip (class token, ln_pre) or siglip (no class token, ln_post)")
+    img_h: int = setting(32, flag="--img-h",
+                         help="image (tile) height in pixels; a multiple of --patch-dim")
+    img_w: int = setting(32, flag="--img-w",
+                         help="image (tile) width in pixels; a multiple of --patch-dim")
+    patch_dim: int = setting(16, flag="--patch-dim",
+                             help="side of the square patches the tower embeds")
+    num_layers: int = setting(2, flag="--vision-num-layers", help="ViT transformer layers")
+    hidden_size: int = setting(64, flag="--vision-hidden-size", help="ViT width")
+    num_attention_heads: int = setting(4, flag="--vision-num-attention-heads",
+                                       help="ViT attention heads (divisible by TP)")
+    ffn_hidden_size: int = setting(128, flag="--vision-ffn-hidden-size",
+                                   help="ViT MLP width (divisible by TP)")
+    activation: Literal["quick_gelu", "gelu", "gelu_tanh"] = setting(
+        "quick_gelu", flag="--vision-activation",
+        help="ViT MLP activation: quick_gelu (OpenAI CLIP), gelu, gelu_tanh (SigLIP)")
+    layernorm_epsilon: float = setting(1e-5, flag="--vision-layernorm-epsilon",
+                                       help="epsilon of the ViT LayerNorms")
+    drop_class_token: bool = setting(
+        True, flag="--vision-drop-class-token",
+        help="drop the class token before the projector (LLaVA's choice; clip only)")
+    projector_type: Literal["mlp", "affine"] = setting(
+        "mlp", flag="--vision-projection-type",
+        help="mlp (fc1 -> GELU -> fc2) or affine (one linear)")
+    projector_ffn_hidden_size: int = setting(
+        128, flag="--vision-projection-ffn-hidden-size",
+        help="inner width of the mlp projector (divisible by TP)")
+    image_token_index: int = setting(
+        -200, flag="--image-token-index",
+        help="token id that marks where an image goes (negative: outside every vocabulary)")
+    checkpoint: Optional[str] = setting(
+        None, flag="--vision-checkpoint",
+        help="Hugging Face CLIP/SigLIP folder (config.json + safetensors) whose vision tower "
+             "weights replace the model's (after --base-checkpoint, if any); its architecture "
+             "must match this section")
 
+    def validate(self) -> None:
+        self.check_positive("img_h", "img_w", "patch_dim", "num_layers", "hidden_size",
+                            "num_attention_heads", "ffn_hidden_size",
+                            "projector_ffn_hidden_size", "layernorm_epsilon")
+        for name in ("img_h", "img_w"):
+            self.check(getattr(self, name) % self.patch_dim == 0, name,
+                       f"must be a multiple of --patch-dim {self.patch_dim}, got "
+                       f"{getattr(self, name)}")
+        self.check(self.hidden_size % self.num_attention_heads == 0, "num_attention_heads",
+                   f"must divide --vision-hidden-size {self.hidden_size}, got "
+                   f"{self.num_attention_heads}")
+        self.check(not (self.model_type == "siglip" and self.drop_class_token), "drop_class_token",
+                   "must be off for siglip (it has no class token): --no-vision-drop-class-token")
+        self.check(self.image_token_index < 0, "image_token_index",
+                   f"must be negative (outside every vocabulary), got {self.image_token_index}")
+        self.check(self.checkpoint is None or bool(self.checkpoint), "checkpoint",
+                   "must be a non-empty path")
 
-def _resolve(path_or_name: str | os.PathLike) -> tuple[str, str, str]:
-    """(name, where, text) of a file path or a packaged config name; ``where`` names the file
-    in messages."""
-    text_path = os.fspath(path_or_name)
-    is_path = (os.sep in text_path or text_path.endswith((".yaml", ".yml"))
-               or os.path.exists(text_path))
-    if not is_path:
-        resource = importlib.resources.files("megatron_slmoe.model") / "configs" / f"{text_path}.yaml"
-        if not resource.is_file():
-            raise ConfigError(f"no model config named {text_path!r}: not a file, and the packaged "
-                              f"configs are {', '.join(packaged_configs())}")
-        return text_path, f"megatron_slmoe/model/configs/{text_path}.yaml", resource.read_text(
-            encoding="utf-8")
-    try:
-        with open(text_path, encoding="utf-8") as fh:
-            text = fh.read()
-    except (OSError, UnicodeDecodeError) as err:
-        reason = getattr(err, "strerror", None) or str(err)
-        raise ConfigError(f"cannot read model config {text_path}: {reason}") from None
-    stem = os.path.basename(text_path).rsplit(".", 1)[0]
-    return stem, text_path, text
+    def check_tensor_parallel(self, tensor_parallel: int) -> None:
+        """The tower and projector split heads and MLP columns over the TP ranks."""
+        for name in ("num_attention_heads", "ffn_hidden_size", "projector_ffn_hidden_size"):
+            self.check(getattr(self, name) % tensor_parallel == 0, name,
+                       f"must be divisible by --tensor-model-parallel-size {tensor_parallel}, "
+                       f"got {getattr(self, name)}")
 
+    @property
+    def class_token_len(self) -> int:
+        return 1 if self.model_type == "clip" else 0
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} given twice", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _parse_yaml(text: str, where: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
-
-
-@functools.lru_cache(maxsize=None)
-def _transformer_hints() -> dict[str, Any]:
-    # MLATransformerConfig: TransformerConfig's fields plus the multi-latent attention widths.
-    hints = typing.get_type_hints(MLATransformerConfig)
-    # Megatron types it int but reads None as "q is not compressed" (linear_q_proj), as
-    # DeepSeek-V2-Lite has it.
-    hints["q_lora_rank"] = Optional[int]
-    return hints
-
-
-@functools.lru_cache(maxsize=None)
-def _run_settings() -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(ModelParallelConfig))
-
-
-def _check_value(name: str, value: Any, hint: Any, where: str) -> Any:
-    fits = matches(value, hint)
-    if fits is None:
-        raise ConfigError(f"{where}: model.{name} cannot be set in a model file "
-                          f"(its type {describe(hint)} has no YAML form)")
-    if not fits:
-        raise ConfigError(f"{where}: model.{name} ({flag(name)}) must be {describe(hint)}, "
-                          f"got {value!r}")
-    return coerce(value, hint)
-
-
-def _model_section(section: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where}: 'model' must be a mapping of field names to values")
-    hints = _transformer_hints()
-    transformer, gpt = {}, {}
-    for name, value in section.items():
-        if name in GPT_FIELDS:
-            gpt[name] = _check_value(name, value, GPT_FIELDS[name][0], where)
-        elif name == "activation_func":
-            if value not in ACTIVATIONS:
-                raise ConfigError(f"{where}: model.activation_func must be one of "
-                                  f"{', '.join(ACTIVATIONS)}, got {value!r}")
-            transformer[name] = value
-        elif name in _run_settings():
-            raise ConfigError(f"{where}: model.{name} is a run setting, not a model field: pass "
-                              f"{flag(name)} at launch (ModelConfig.transformer_config override)")
-        elif name in hints:
-            transformer[name] = _check_value(name, value, hints[name], where)
-        else:
-            raise ConfigError(f"{where}: unknown key model.{name} (neither a TransformerConfig "
-                              f"field nor a GPTModel argument)")
-    for name, (_, default) in GPT_FIELDS.items():
-        if name not in gpt:
-            if default is _REQUIRED:
-                raise ConfigError(f"{where}: model.{name} is missing ({flag(name)})")
-            gpt[name] = default
-    return transformer, gpt
-
-
-def _slmoe_section(section: Any, where: str) -> SLMoEConfig:
-    if section is None:
-        return SLMoEConfig()
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where}: 'slmoe' must be a mapping of SLMoEConfig fields")
-    hints = typing.get_type_hints(SLMoEConfig)
-    known = {f.name for f in dataclasses.fields(SLMoEConfig)}
-    for name, value in section.items():
-        if name not in known:
-            raise ConfigError(f"{where}: unknown key slmoe.{name} (SLMoEConfig fields: "
-                              f"{', '.join(sorted(known))})")
-        if not matches(value, hints[name]):
-            raise ConfigError(f"{where}: slmoe.{name} must be {describe(hints[name])}, "
-                              f"got {value!r}")
-    from megatron_slmoe.moe.dispatch import DISPATCHERS
-
-    dispatcher = section.get("dispatcher", SLMoEConfig.dispatcher)
-    if dispatcher not in DISPATCHERS:
-        raise ConfigError(f"{where}: slmoe.dispatcher {dispatcher!r} is not one of "
-                          f"{', '.join(sorted(DISPATCHERS))}")
-    return SLMoEConfig(**section)
-
-
-def load_model_config(path_or_name: str | os.PathLike) -> ModelConfig:
-    """Read and validate a model file (a path, or the name of a packaged config such as
-    ``tiny``). Every problem is one ConfigError line naming the file."""
-    name, where, text = _resolve(path_or_name)
-    data = _parse_yaml(text, where)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: a model config is a mapping with 'model' and 'slmoe' "
-                          f"sections")
-    for key in data:
-        if key not in ("model", "slmoe"):
-            raise ConfigError(f"{where}: unknown key {key!r} (the sections are 'model' and "
-                              f"'slmoe')")
-    if "model" not in data:
-        raise ConfigError(f"{where}: the 'model' section is missing")
-    transformer, gpt = _model_section(data["model"], where)
-    slmoe = _slmoe_section(data.get("slmoe"), where)
-    try:
-        validate_moe_config(transformer)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    return ModelConfig(name=name, source=where, transformer=types.MappingProxyType(transformer),
-                       slmoe=slmoe, **gpt)
-
-
-def dump_model_config(model_config: ModelConfig) -> str:
-    """The model file of ``model_config``: YAML that :func:`load_model_config` reads back into the
-    same configuration (how a converted checkpoint records the model it holds)."""
-    model = {**dict(model_config.transformer), **model_config.gpt_kwargs()}
-    for name, value in model.items():
-        if isinstance(value, tuple):
-            model[name] = list(value)
-        elif not isinstance(value, (bool, int, float, str, list, type(None))):
-            raise ConfigError(f"model.{name} = {value!r} has no YAML form")
-    slmoe = {f.name: getattr(model_config.slmoe, f.name)
-             for f in dataclasses.fields(SLMoEConfig)
-             if getattr(model_config.slmoe, f.name) != f.default}
-    data = {"model": model, **({"slmoe": slmoe} if slmoe else {})}
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+    @property
+    def num_image_embeddings(self) -> int:
+        """Language-model positions one image tile occupies."""
+        patches = (self.img_h // self.patch_dim) * (self.img_w // self.patch_dim)
+        return patches + (0 if self.drop_class_token else self.class_token_len)

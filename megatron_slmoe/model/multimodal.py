@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType, ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_slmoe.config.run import VisionConfig
-from megatron_slmoe.model.config import ModelConfig
+from megatron_slmoe.model.config import VisionConfig
+from megatron_slmoe.model.model_file import ModelConfig
 
 
 
@@ -127,7 +127,9 @@ def build_multimodal_model(model_config: ModelConfig, language_config: Transform
     from megatron.core.models.multimodal.llava_model import LLaVAModel
 
     from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
+    from megatron_slmoe.platform import apply_adaptor
 
+    apply_adaptor()
     vision.check_tensor_parallel(language_config.tensor_model_parallel_size)
     gpt = model_config.gpt_kwargs()
     seq_length = seq_length or gpt["max_sequence_length"]

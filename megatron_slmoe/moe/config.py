@@ -8,7 +8,12 @@ here, in one small dataclass that the layer spec carries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
+
+from megatron_slmoe.config.schema import Section, setting
+
+DISPATCHER_NAMES = ("alltoall", "allgather")
+"""The token dispatchers a run can choose (megatron_slmoe.moe.dispatch.DISPATCHERS builds them)."""
 
 
 @dataclass(frozen=True)
@@ -39,3 +44,89 @@ class SLMoEConfig:
         if self.distributed_timeout_minutes is not None and self.distributed_timeout_minutes <= 0:
             raise ValueError("slmoe.distributed_timeout_minutes must be positive, "
                              f"got {self.distributed_timeout_minutes!r}")
+
+
+@dataclass(frozen=True)
+class MoERunConfig(Section):
+    """Run-time choices of the MoE layer; they override the model config's ``slmoe`` section."""
+
+    section_name = "moe"
+
+    token_dispatcher_type: Optional[str] = setting(
+        None, flag="--moe-token-dispatcher-type",
+        help="alltoall or allgather (default: the model config's)")
+    hierarchical_alltoall: bool = setting(
+        False, flag="--moe-hierarchical-alltoall",
+        help="two-hop all-to-all for multi-node expert parallelism (inter-node, then intra-node)")
+    node_size: Optional[int] = setting(
+        None, flag="--moe-node-size",
+        help="ranks per node for the hierarchical all-to-all (default: LOCAL_WORLD_SIZE)")
+    overlap_chunks: Optional[int] = setting(
+        None, flag="--moe-overlap-chunks",
+        help="overlap the all-to-all (flat or hierarchical) with expert compute over this many "
+             "token chunks, forward and backward (default: the model config's, 1 = no overlap)")
+    routed_balance_coeff: float = setting(
+        0.1, flag="--moe-routed-balance-coeff",
+        help="with --finetune-mode lora: load-balancing loss on the routing actually used "
+             "(frozen expert bias included), acting through the adapters before each router "
+             "(0: off; see megatron_slmoe.moe.stability)")
+    routing_kl_coeff: float = setting(
+        0.0, flag="--moe-routing-kl-coeff",
+        help="routing preservation with --finetune-mode lora: KL(base routing || routing) per "
+             "token, the base routing from one more forward pass per step (0: off)")
+
+    def validate(self) -> None:
+        if (self.token_dispatcher_type is not None
+                and self.token_dispatcher_type not in DISPATCHER_NAMES):
+            self.fail("token_dispatcher_type", f"must be one of {', '.join(DISPATCHER_NAMES)}, "
+                                               f"got {self.token_dispatcher_type!r}")
+        self.check_positive("node_size", "overlap_chunks")
+        self.check_non_negative("routed_balance_coeff", "routing_kl_coeff")
+
+
+@dataclass(frozen=True)
+class MonitorConfig(Section):
+    """The routing monitor's collapse detectors (see megatron_slmoe.moe.monitor)."""
+
+    section_name = "monitor"
+
+    window: int = setting(50, flag="--moe-monitor-window",
+                          help="steps over which an expert without tokens counts as dead")
+    starved_fraction: float = setting(
+        0.1, flag="--moe-starved-fraction",
+        help="an expert starves below this fraction of the fair share 1/E")
+    starved_patience: int = setting(
+        20, flag="--moe-starved-patience",
+        help="checks in a row of starving before a warning (one check per step once steps "
+             "route --moe-monitor-min-tokens tokens)")
+    dominant_fraction: float = setting(
+        0.5, flag="--moe-dominant-fraction",
+        help="an expert dominates above this share of a step's assignments (1.0: off)")
+    warmup_steps: int = setting(
+        10, flag="--moe-monitor-warmup",
+        help="steps before the collapse detectors judge (routing that is still settling, e.g. "
+             "from a random initialisation, is not a collapse)")
+    min_routed_tokens: int = setting(
+        1024, flag="--moe-monitor-min-tokens",
+        help="a check judges the steps since the previous one once they routed at least this "
+             "many tokens (small steps are pooled, so no share is judged on a handful of tokens)")
+    action: Literal["warn", "stop"] = setting(
+        "warn", flag="--collapse-action", help="on routing collapse: warn, or stop the run")
+    jsonl_path: Optional[str] = setting(
+        None, flag="--moe-routing-jsonl",
+        help="also append every step's routing record (all layers, all fields) to this file")
+    drift_interval: int = setting(
+        10, flag="--moe-drift-interval",
+        help="with --finetune-mode lora: every N steps, each layer's routing drift from the base "
+             "model's on a fixed held-out probe batch (KL, top-k overlap, load change; 0: off)")
+
+    def validate(self) -> None:
+        self.check_positive("window", "starved_patience")
+        self.check_non_negative("warmup_steps", "min_routed_tokens", "drift_interval")
+        self.check(0.0 <= self.starved_fraction < 1.0, "starved_fraction",
+                   f"must be in [0, 1), got {self.starved_fraction}")
+        # > 1/E is checked when the monitor attaches to a model and E is known.
+        self.check(0.0 < self.dominant_fraction <= 1.0, "dominant_fraction",
+                   f"must be in (0, 1], got {self.dominant_fraction}")
+        self.check(self.jsonl_path is None or bool(self.jsonl_path), "jsonl_path",
+                   "must be a non-empty path")

@@ -43,7 +43,7 @@ from typing import Any, Iterable, Optional
 import torch
 from megatron.core import parallel_state
 
-from megatron_slmoe.config.run import MonitorConfig
+from megatron_slmoe.moe.config import MonitorConfig
 from megatron_slmoe.config.types import is_int
 from megatron_slmoe.moe.dispatch.traffic import TrafficAccumulator
 from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from megatron_slmoe.config.run import DEFAULT_LORA_TARGETS, RunConfig
+from megatron_slmoe.lora.config import DEFAULT_LORA_TARGETS
 from megatron_slmoe.plan._sources import LORA_TARGETS
 from megatron_slmoe.plan.model_shape import ModelShape
 from megatron_slmoe.plan.vision import VisionShape
+
+if TYPE_CHECKING:  # the planner reads a run's settings; it sits below the training package
+    from megatron_slmoe.training.config import RunConfig
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")

@@ -40,7 +40,7 @@ def _training_config(argv: list[str]):
     """The job's run configuration, read by the job's own parser (``--config`` YAML included) but
     without its layout checks against the world size: the preflight needs only the parallel layout
     and the output directory, and may run on its own on any number of ranks."""
-    from megatron_slmoe.config.cli import parse_command_line
+    from megatron_slmoe.training.cli import parse_command_line
     from megatron_slmoe.config.errors import ConfigError
 
     try:

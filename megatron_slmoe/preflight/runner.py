@@ -345,9 +345,9 @@ def run(options: PreflightOptions, platform=None) -> Optional[dict]:
     """Run every check on this rank; rank 0 returns the report (others None). Raises
     PreflightError with one line on a failed check ("" when another rank reports it)."""
     if platform is None:
-        import megatron_slmoe
+        from megatron_slmoe.platform import apply_adaptor
 
-        platform = megatron_slmoe.PLATFORM
+        platform = apply_adaptor()
     started = time.perf_counter()
     pf = _Preflight(options, platform)
     store, join_seconds = pf.join()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 
-from megatron_slmoe.config.run import StorageConfig
+from megatron_slmoe.storage.config import StorageConfig
 from megatron_slmoe.storage.client import ObjectStore, access_denied, describe_endpoint
 from megatron_slmoe.storage.errors import (
     AccessDeniedError,

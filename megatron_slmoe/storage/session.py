@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence, Union
 
-from megatron_slmoe.config.run import StorageConfig
+from megatron_slmoe.storage.config import StorageConfig
 from megatron_slmoe.storage.cache import NodeCache, default_cache_dir
 from megatron_slmoe.storage.client import ObjectStore
 from megatron_slmoe.storage.errors import CacheError, ObjectNotFoundError

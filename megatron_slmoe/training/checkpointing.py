@@ -69,12 +69,12 @@ def trainable_sharded_state_dict(model_chunks) -> dict[str, Any]:
 def _rng_state() -> dict[str, torch.Tensor]:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    import megatron_slmoe
+    from megatron_slmoe.platform import current as current_platform
 
     states = {"cpu": torch.get_rng_state()}
-    if megatron_slmoe.PLATFORM.name == "cuda":
+    if current_platform().name == "cuda":
         states["accelerator"] = torch.cuda.get_rng_state()
-    elif megatron_slmoe.PLATFORM.name == "npu":
+    elif current_platform().name == "npu":
         states["accelerator"] = torch.npu.get_rng_state()  # type: ignore[attr-defined]
     for name, state in get_cuda_rng_tracker().get_states().items():
         states[f"tracker.{name}"] = state if torch.is_tensor(state) else torch.tensor(state)
@@ -84,12 +84,12 @@ def _rng_state() -> dict[str, torch.Tensor]:
 def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    import megatron_slmoe
+    from megatron_slmoe.platform import current as current_platform
 
     torch.set_rng_state(states["cpu"])
-    if "accelerator" in states and megatron_slmoe.PLATFORM.name == "cuda":
+    if "accelerator" in states and current_platform().name == "cuda":
         torch.cuda.set_rng_state(states["accelerator"])
-    elif "accelerator" in states and megatron_slmoe.PLATFORM.name == "npu":
+    elif "accelerator" in states and current_platform().name == "npu":
         torch.npu.set_rng_state(states["accelerator"])  # type: ignore[attr-defined]
     tracker = {k[len("tracker."):]: v for k, v in states.items() if k.startswith("tracker.")}
     if tracker:

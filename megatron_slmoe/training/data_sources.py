@@ -11,7 +11,8 @@ import os
 
 import torch
 
-from megatron_slmoe.config.run import DataConfig, ScheduleConfig
+from megatron_slmoe.data.config import DataConfig
+from megatron_slmoe.training.config import ScheduleConfig
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.tokenizer import load_tokenizer

@@ -31,8 +31,8 @@ log = logging.getLogger("megatron_slmoe.training")
 def parse(argv: Optional[list[str]] = None):
     """The entry point's command line (flags and ``--config`` YAML) -> ``CommandLine``; raises
     ConfigError. The layout rules are checked against $WORLD_SIZE unless only printing."""
-    from megatron_slmoe.config.cli import parse_command_line
-    from megatron_slmoe.config.run import validate_run
+    from megatron_slmoe.training.cli import parse_command_line
+    from megatron_slmoe.training.config import validate_run
 
     command = parse_command_line(argv, prog="megatron_slmoe.training.finetune",
                                  description=__doc__.strip().split("\n")[0], world_size=0)
@@ -47,7 +47,7 @@ then starts nothing)."""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from megatron_slmoe.config.cli import to_yaml
+    from megatron_slmoe.training.cli import to_yaml
     from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.training.inputs import RunFinished, check_inputs
 
@@ -57,9 +57,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if command.print_config:
             print(to_yaml(command.run), end="")
             return 0
-        import megatron_slmoe
+        from megatron_slmoe.platform import PlatformError, apply_adaptor
 
-        check_inputs(command.run, int(os.environ.get("WORLD_SIZE", "1")), megatron_slmoe.PLATFORM)
+        try:
+            platform = apply_adaptor()
+        except PlatformError as err:  # no such device here: the user's setting
+            raise ConfigError(str(err)) from None
+        check_inputs(command.run, int(os.environ.get("WORLD_SIZE", "1")), platform)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -69,7 +73,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_NOTHING_TO_DO if command.validate_only else 0
     if command.validate_only:
         return 0
-    trainer = Trainer(command.run, megatron_slmoe.PLATFORM)
+    trainer = Trainer(command.run, platform)
     from megatron_slmoe.training.lifeline import exit_with_parent, on_sigterm, under_torchrun
 
     if under_torchrun():  # torchrun's workers run in sessions of their own: end with the agent
@@ -169,7 +173,7 @@ class Trainer:
                                   probe=self._microbatches(self.valid, 0))
         self.writer = None
         if self.rank == 0:
-            from megatron_slmoe.config.cli import to_yaml
+            from megatron_slmoe.training.cli import to_yaml
 
             write_text_atomic(os.path.join(self.output_dir, "config.yaml"), to_yaml(run))
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

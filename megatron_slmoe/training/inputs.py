@@ -25,8 +25,8 @@ import logging
 import os
 
 from megatron_slmoe.config.errors import ConfigError
-from megatron_slmoe.config.run import RunConfig
-from megatron_slmoe.model.config import load_model_config
+from megatron_slmoe.training.config import RunConfig
+from megatron_slmoe.model.model_file import load_model_config
 from megatron_slmoe.storage.urls import is_object_url
 
 log = logging.getLogger(__name__)
@@ -413,7 +413,7 @@ def _summary_steps(out: str):
 
 
 def _check_same_settings(run: RunConfig, earlier_path: str, platform) -> None:
-    from megatron_slmoe.config.cli import build_run_config, read_yaml
+    from megatron_slmoe.training.cli import build_run_config, read_yaml
     from megatron_slmoe.training.model_setup import resolve_precision
 
     try:

@@ -18,23 +18,22 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_slmoe.config.errors import ConfigError
-from megatron_slmoe.config.run import (
-    ModelSection,
-    MoERunConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    ScheduleConfig,
-)
+from megatron_slmoe.model.config import ModelSection
+from megatron_slmoe.moe.config import MoERunConfig
+from megatron_slmoe.parallel.config import ParallelConfig
+from megatron_slmoe.platform import apply_adaptor
+from megatron_slmoe.training.config import OptimizerConfig, ScheduleConfig
 from megatron_slmoe.model.build import (
     build_gpt_model,
     mark_tensor_parallel_weights,
     run_transformer_config,
 )
-from megatron_slmoe.model.config import ModelConfig, load_model_config
+from megatron_slmoe.model.model_file import ModelConfig, load_model_config
 from megatron_slmoe.model.validation import EXPERT_TENSOR_PARALLEL_SIZE
 
 
 def init_distributed(parallel: ParallelConfig, seed: int, platform) -> None:
+    apply_adaptor()
     platform.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(minutes=parallel.distributed_timeout_minutes)
     if not torch.distributed.is_initialized():

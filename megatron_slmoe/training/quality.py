@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from megatron.core import parallel_state
 
-from megatron_slmoe.config.run import RunConfig
+from megatron_slmoe.training.config import RunConfig
 from megatron_slmoe.moe.stability import RoutingStability
 
 

@@ -165,7 +165,7 @@ def table(results: Sequence[RankResult], chosen: RankResult) -> str:
 
 
 def check_ranks(ranks: Sequence[int]) -> None:
-    from megatron_slmoe.config.run import MAX_LORA_RANK
+    from megatron_slmoe.lora.config import MAX_LORA_RANK
 
     if not ranks or len(set(ranks)) != len(ranks):
         raise ValueError("--ranks needs distinct ranks")

@@ -22,7 +22,7 @@ def _experts(world: int):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_slmoe.config.run import LoRAConfig
+    from megatron_slmoe.lora.config import LoRAConfig
     from megatron_slmoe.lora.experts import LoRALatentSwiGLUExperts
 
     config = TransformerConfig(

@@ -30,8 +30,8 @@ def _prompts():
 
 
 def _build(parallel_sizes: dict):
-    from megatron_slmoe.config.run import ParallelConfig
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.parallel.config import ParallelConfig
+    from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.training.model_setup import build_model
 
     import megatron_slmoe
@@ -67,7 +67,7 @@ def _generate(model, prompts, use_kv_cache=True, sampling=None):
 def reference_case(directory: str, prompts):
     """One rank: a base with random weights and an adapter with non-zero B, saved; its answers
     with and without the KV cache."""
-    from megatron_slmoe.config.run import LoRAConfig
+    from megatron_slmoe.lora.config import LoRAConfig
     from megatron_slmoe.lora.adapter import save_adapter
     from megatron_slmoe.lora.inject import inject_lora, lora_modules
     from megatron_slmoe.data.assets import asset_path
@@ -94,7 +94,7 @@ def reference_case(directory: str, prompts):
 def layout_case(directory: str, prompts, parallel_sizes: dict, sampled: bool):
     from megatron_slmoe.lora.adapter import load_adapter, read_adapter_config
     from megatron_slmoe.lora.inject import inject_lora
-    from megatron_slmoe.config.run import ModelSection
+    from megatron_slmoe.model.config import ModelSection
     from megatron_slmoe.training.model_setup import load_base_weights
 
     model = _build(parallel_sizes)

@@ -19,7 +19,7 @@ def _load_converted(directory: str, input_ids: torch.Tensor):
     from megatron.core import dist_checkpointing
 
     from megatron_slmoe.hf.convert import build_model_in_layout
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
 
     # Built as the fine-tuning entry point builds it from --model-config, loaded as
     # --base-checkpoint loads it.

@@ -28,7 +28,7 @@ BASE_INFO = {"model_config": "lora-parallel-test"}
 
 
 def _lora_config():
-    from megatron_slmoe.lora import LoRAConfig
+    from megatron_slmoe.lora.config import LoRAConfig
 
     return LoRAConfig(rank=4, alpha=8.0, targets=TARGETS)
 
@@ -53,7 +53,7 @@ def _model(config):
 
 def _randomize(model) -> None:
     """Random LoRA A and B (B non-zero), drawn per global tensor so any layout gets the same."""
-    from megatron_slmoe.lora import lora_modules
+    from megatron_slmoe.lora.inject import lora_modules
 
     with torch.no_grad():
         for module in lora_modules(model):
@@ -66,7 +66,8 @@ def _randomize(model) -> None:
 
 def _gathered_grads(model):
     """Every LoRA gradient, unsharded by global name (on rank 0): main_grad into the params."""
-    from megatron_slmoe.lora import lora_modules, lora_state_dict
+    from megatron_slmoe.lora.adapter import lora_state_dict
+    from megatron_slmoe.lora.inject import lora_modules
 
     with torch.no_grad():
         for module in lora_modules(model):
@@ -76,7 +77,8 @@ def _gathered_grads(model):
 
 
 def reference_rank(base_dir: str, adapter_dir: str) -> dict:
-    from megatron_slmoe.lora import inject_lora, save_adapter
+    from megatron_slmoe.lora.adapter import save_adapter
+    from megatron_slmoe.lora.inject import inject_lora
 
     config = _config()
     model = _model(config)
@@ -92,7 +94,7 @@ def reference_rank(base_dir: str, adapter_dir: str) -> dict:
 def parallel_rank(base_dir: str, adapter_dir: str, resaved_dir: str, checkpoint_dir: str) -> dict:
     from megatron.core import dist_checkpointing
 
-    from megatron_slmoe.lora import load_adapter, save_adapter
+    from megatron_slmoe.lora.adapter import load_adapter, save_adapter
 
     config = _config()
     model = _model(config)
@@ -110,7 +112,8 @@ def single_rank_loads(base_dir: str, adapter_dirs: list[str], checkpoint_dirs: l
     dist checkpointing; the LoRA tensors found, by source."""
     from megatron.core import dist_checkpointing
 
-    from megatron_slmoe.lora import inject_lora, load_adapter, lora_state_dict
+    from megatron_slmoe.lora.adapter import load_adapter, lora_state_dict
+    from megatron_slmoe.lora.inject import inject_lora
 
     found = {}
     for directory in adapter_dirs:

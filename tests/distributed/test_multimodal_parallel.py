@@ -39,7 +39,7 @@ TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "vision_atte
 
 
 def _vision():
-    from megatron_slmoe.config.run import VisionConfig
+    from megatron_slmoe.model.config import VisionConfig
 
     return VisionConfig(img_h=16, img_w=16, patch_dim=8, num_layers=1, hidden_size=32,
                         num_attention_heads=4, ffn_hidden_size=64, projector_ffn_hidden_size=64)
@@ -48,7 +48,7 @@ def _vision():
 def _model(recompute: bool = False):
     from megatron.core import parallel_state as ps
 
-    from megatron_slmoe.model.config import ModelConfig
+    from megatron_slmoe.model.model_file import ModelConfig
     from megatron_slmoe.model.multimodal import build_multimodal_model
     from tests.helpers.lora_models import parallel_moe_config
 
@@ -125,7 +125,8 @@ def _train_step(ddp, optimizer, step: int, want_grads: bool):
 
 def _gathered_grads(model) -> dict:
     """Every LoRA gradient, unsharded by global name (on rank 0); the parameters are unchanged."""
-    from megatron_slmoe.lora import lora_modules, lora_state_dict
+    from megatron_slmoe.lora.adapter import lora_state_dict
+    from megatron_slmoe.lora.inject import lora_modules
 
     params = [p for m in lora_modules(model) for p in m.lora_parameters()]
     saved = [p.detach().clone() for p in params]
@@ -140,7 +141,9 @@ def _gathered_grads(model) -> dict:
 
 
 def train_rank(base_dir: str, save_base: bool, recompute: bool = False) -> dict:
-    from megatron_slmoe.lora import LoRAConfig, inject_lora, lora_state_dict
+    from megatron_slmoe.lora.adapter import lora_state_dict
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import inject_lora
 
     model, config = _model(recompute)
     if save_base:

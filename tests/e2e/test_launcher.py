@@ -170,7 +170,7 @@ def test_help_is_printed_once_and_creates_nothing(sandbox):
 
 def test_the_settings_comments_name_real_lora_targets():
     """The launcher's comment on LORA_TARGET_MODULES shows the default targets, by their names."""
-    from megatron_slmoe.config.run import DEFAULT_LORA_TARGETS
+    from megatron_slmoe.lora.config import DEFAULT_LORA_TARGETS
     from megatron_slmoe.lora.targets import TARGETS
 
     line = next(line for line in (REPO / "scripts" / "pretrain_lora.sh").read_text().splitlines()

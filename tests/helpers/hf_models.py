@@ -253,7 +253,7 @@ def import_and_run(hf_dir: str, input_ids: torch.Tensor):
 def import_with_lora(hf_dir: str, targets, rank: int = 4, alpha: float = 8.0, seed: int = 0):
     """(model, LoRAConfig): this rank's imported Megatron model with LoRA on ``targets``, every
     LoRA factor drawn at random (B too, so the adapter changes the logits), as after training."""
-    from megatron_slmoe.config.run import LoRAConfig
+    from megatron_slmoe.lora.config import LoRAConfig
     from megatron_slmoe.hf.convert import build_model_in_layout
     from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
     from megatron_slmoe.lora.inject import inject_lora

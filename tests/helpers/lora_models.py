@@ -40,7 +40,7 @@ model:
 
 
 def model_config(tmp_path_factory, text: str = MODEL_YAML, name: str = "lora_unit"):
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
 
     path = tmp_path_factory.mktemp("model-config") / f"{name}.yaml"
     path.write_text(text)
@@ -67,7 +67,7 @@ def logits(model, seed: int = 0):
 
 
 def randomize(model, seed: int = 0, scale: float = 0.2):
-    from megatron_slmoe.lora import lora_modules
+    from megatron_slmoe.lora.inject import lora_modules
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -77,7 +77,7 @@ def randomize(model, seed: int = 0, scale: float = 0.2):
 
 
 def lora_config(**overrides):
-    from megatron_slmoe.lora import LoRAConfig
+    from megatron_slmoe.lora.config import LoRAConfig
 
     fields = dict(rank=4, alpha=8.0, targets=ALL_TARGETS)
     fields.update(overrides)

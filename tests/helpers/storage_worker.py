@@ -30,7 +30,7 @@ def import_storage_only() -> None:
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     import_storage_only()
-    from megatron_slmoe.config.run import StorageConfig
+    from megatron_slmoe.storage.config import StorageConfig
     from megatron_slmoe.storage import Storage
 
     storage = Storage(StorageConfig(cache_dir=spec["cache_dir"],

@@ -72,7 +72,7 @@ def _fake_adapter(path: Path, rank: int = 8, alpha: float = 16.0, targets=None, 
     import torch
     from safetensors.torch import save_file
 
-    from megatron_slmoe.config.run import DEFAULT_LORA_TARGETS, LoRAConfig
+    from megatron_slmoe.lora.config import DEFAULT_LORA_TARGETS, LoRAConfig
     from megatron_slmoe.data.tokenizer import load_tokenizer
     from megatron_slmoe.lora.adapter import adapter_config_json
 
@@ -86,7 +86,7 @@ def _fake_adapter(path: Path, rank: int = 8, alpha: float = 16.0, targets=None, 
 
 def _earlier_run(path: Path, steps: int, lora_rank: int = 8, lr: float = 2e-3) -> Path:
     """An output directory an earlier run left: its config.yaml and a complete checkpoint."""
-    from megatron_slmoe.config.cli import parse_command_line, to_yaml
+    from megatron_slmoe.training.cli import parse_command_line, to_yaml
 
     run = parse_command_line(["--lora-rank", str(lora_rank), "--lr", str(lr), "--output-dir",
                               str(path), "--precision", "fp32"], prog="t", description="",
@@ -100,7 +100,7 @@ def _real_base(path: Path) -> Path:
     """The tiny model saved as a base, as a full fine-tune's --save-base writes it."""
     from megatron_slmoe.data.tokenizer import load_tokenizer
     from megatron_slmoe.model.build import build_gpt_model
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.training.checkpointing import save_base_checkpoint
 
     mc = load_model_config("tiny")

@@ -57,9 +57,10 @@ def test_expert_mlp_op_compiles_in_one_graph():
 
 
 def test_lora_slmoe_gpt_compiles_and_matches_eager(megatron_single_rank):
-    from megatron_slmoe.lora import LoRAConfig, inject_lora
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.model.build import build_gpt_model
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
 
     torch.manual_seed(0)
     mc = load_model_config("tiny")

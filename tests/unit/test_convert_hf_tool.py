@@ -44,7 +44,7 @@ def test_import_writes_a_base_checkpoint_that_gives_hf_logits(checkpoints, tmp_p
     from megatron.core import dist_checkpointing
 
     from megatron_slmoe.model.build import build_gpt_model
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
 
     root, models = checkpoints
     out = tmp_path / "converted"

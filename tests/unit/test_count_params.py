@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
 from megatron_slmoe.model.census import build_meta_model, count_parameters, meta_device
 from megatron_slmoe.model.build import build_gpt_model
-from megatron_slmoe.model.config import load_model_config
+from megatron_slmoe.model.model_file import load_model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "count_params.py"

@@ -6,8 +6,7 @@ import json
 import os
 import random
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-from megatron_slmoe.data import load_tokenizer, train_tokenizer
+from megatron_slmoe.data.tokenizer import load_tokenizer, train_tokenizer
 from megatron_slmoe.data import synthetic
 from megatron_slmoe.data.assets import ASSETS_DIR, asset_path
 from megatron_slmoe.data.instruction import (InstructionDataset, InstructionStats,

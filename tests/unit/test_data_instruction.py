@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-from megatron_slmoe.data import DataError, DataFileNotFoundError, load_tokenizer
+from megatron_slmoe.data.errors import DataError, DataFileNotFoundError
+from megatron_slmoe.data.tokenizer import load_tokenizer
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.instruction import (InstructionDataset, InstructionStats,
                                              build_generation_prompt, pack_examples, parse_record,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-from megatron_slmoe.data import DataError, DataFileNotFoundError, load_tokenizer
+from megatron_slmoe.data.errors import DataError, DataFileNotFoundError
+from megatron_slmoe.data.tokenizer import load_tokenizer
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.pretrain import build_pretrain_datasets, load_indexed_dataset, preprocess
 

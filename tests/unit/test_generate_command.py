@@ -24,9 +24,11 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A tiny base (random weights) and an adapter with non-zero B, and the model they make."""
-    from megatron_slmoe.config.run import LoRAConfig, ParallelConfig
-    from megatron_slmoe.lora import inject_lora, lora_modules, save_adapter
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.parallel.config import ParallelConfig
+    from megatron_slmoe.lora.adapter import save_adapter
+    from megatron_slmoe.lora.inject import inject_lora, lora_modules
+    from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.data.assets import asset_path
     from megatron_slmoe.data.tokenizer import load_tokenizer
     from megatron_slmoe.training.checkpointing import save_base_checkpoint

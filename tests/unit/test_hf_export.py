@@ -267,7 +267,7 @@ def test_peft_options_we_cannot_honour_are_refused(tmp_path, capsys):
 
 def test_run_start_refuses_a_busy_export_dir_and_a_peft_init_without_its_base(tmp_path):
     """Checked before any process group forms, not after hours of training."""
-    from megatron_slmoe.config.cli import parse_command_line
+    from megatron_slmoe.training.cli import parse_command_line
     from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.training.inputs import _check_paths
 

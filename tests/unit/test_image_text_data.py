@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-from megatron_slmoe.data import DataError, load_tokenizer
+from megatron_slmoe.data.errors import DataError
+from megatron_slmoe.data.tokenizer import load_tokenizer
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.image import ImagePreprocessConfig, decode_image, preprocess_image
 from megatron_slmoe.data.image_text import (

@@ -26,7 +26,8 @@ def mc(tmp_path_factory):
 @pytest.fixture(scope="module")
 def saved(mc, tmp_path_factory):
     """A model with a random adapter on every target, its base weights and the saved adapter."""
-    from megatron_slmoe.lora import inject_lora, save_adapter
+    from megatron_slmoe.lora.adapter import save_adapter
+    from megatron_slmoe.lora.inject import inject_lora
 
     model = build_model(mc)
     model.eval()
@@ -40,7 +41,7 @@ def saved(mc, tmp_path_factory):
 
 def _fresh(mc, base_state, inject: bool = True):
     """The same base model (other initial weights, then the base state) with fresh adapters."""
-    from megatron_slmoe.lora import inject_lora
+    from megatron_slmoe.lora.inject import inject_lora
 
     model = build_model(mc, seed=1)
     model.load_state_dict(base_state, strict=False)  # no _extra_state entries
@@ -57,7 +58,8 @@ def _file_tensors(directory):
 
 
 def test_save_load_round_trip_is_bitwise(mc, saved):
-    from megatron_slmoe.lora import load_adapter, lora_modules, lora_state_dict
+    from megatron_slmoe.lora.adapter import load_adapter, lora_state_dict
+    from megatron_slmoe.lora.inject import lora_modules
 
     model, base_state, directory = saved
     other = _fresh(mc, base_state)
@@ -109,7 +111,7 @@ def test_adapter_directory_is_safetensors_and_json_only(saved):
 
 
 def test_saving_again_replaces_the_adapter_atomically(mc, saved, tmp_path):
-    from megatron_slmoe.lora import AdapterError, save_adapter
+    from megatron_slmoe.lora.adapter import AdapterError, save_adapter
 
     model, _, _ = saved
     target = tmp_path / "adapter"
@@ -130,7 +132,7 @@ def test_saving_again_replaces_the_adapter_atomically(mc, saved, tmp_path):
 
 
 def test_load_injects_into_a_plain_model(mc, saved):
-    from megatron_slmoe.lora import load_adapter
+    from megatron_slmoe.lora.adapter import load_adapter
 
     model, base_state, directory = saved
     plain = _fresh(mc, base_state, inject=False)
@@ -153,7 +155,7 @@ def _rewrite(directory, target, tensors=None, config_text=None):
 
 
 def test_mismatched_adapters_are_refused_with_one_line(mc, saved, tmp_path):
-    from megatron_slmoe.lora import AdapterError, load_adapter
+    from megatron_slmoe.lora.adapter import AdapterError, load_adapter
 
     _, base_state, directory = saved
     model = _fresh(mc, base_state)
@@ -187,7 +189,8 @@ def test_mismatched_adapters_are_refused_with_one_line(mc, saved, tmp_path):
 
 
 def test_merge_equals_the_model_with_its_adapter(mc, saved):
-    from megatron_slmoe.lora import load_adapter, lora_modules, merge_lora
+    from megatron_slmoe.lora.adapter import load_adapter, merge_lora
+    from megatron_slmoe.lora.inject import lora_modules
 
     model, base_state, directory = saved
     other = _fresh(mc, base_state)
@@ -214,7 +217,7 @@ def test_merge_equals_the_model_with_its_adapter(mc, saved):
 def test_lora_sharded_state_dict_holds_only_the_adapter(saved):
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    from megatron_slmoe.lora import lora_sharded_state_dict
+    from megatron_slmoe.lora.adapter import lora_sharded_state_dict
 
     model, _, _ = saved
     sharded = lora_sharded_state_dict(model)

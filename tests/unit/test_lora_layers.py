@@ -32,7 +32,7 @@ def mc(tmp_path_factory):
 @pytest.fixture(scope="module")
 def adapted(mc):
     """A model with random adapters on every target, and what each LoRA module saw and gave."""
-    from megatron_slmoe.lora import inject_lora, lora_modules
+    from megatron_slmoe.lora.inject import inject_lora, lora_modules
 
     model = build_model(mc)
     model.eval()
@@ -56,7 +56,7 @@ def adapted(mc):
 
 
 def _target_modules(model, target):
-    from megatron_slmoe.lora import lora_modules
+    from megatron_slmoe.lora.inject import lora_modules
 
     suffixes = {
         "linear_qkv": ("self_attention.linear_qkv",),
@@ -96,7 +96,7 @@ def _expert_reference(experts, rows, tokens_per_expert, probs):
 
 
 def _check_module(module, args, output):
-    from megatron_slmoe.lora import LoRALatentSwiGLUExperts
+    from megatron_slmoe.lora.experts import LoRALatentSwiGLUExperts
     from megatron_slmoe.lora.router import LoRARouterMixin
 
     with torch.no_grad():
@@ -126,7 +126,8 @@ def test_random_adapter_equals_explicit_merged_weight_reference(adapted, target)
 
 
 def test_experts_with_fc1_only_match_reference(mc):
-    from megatron_slmoe.lora import LoRALatentSwiGLUExperts, inject_lora
+    from megatron_slmoe.lora.experts import LoRALatentSwiGLUExperts
+    from megatron_slmoe.lora.inject import inject_lora
 
     model = build_model(mc)
     inject_lora(model, lora_config(targets=["linear_fc1"]))
@@ -145,7 +146,8 @@ def test_experts_with_fc1_only_match_reference(mc):
 
 
 def test_nongated_squared_relu_experts_match_reference(tmp_path_factory):
-    from megatron_slmoe.lora import LoRALatentSwiGLUExperts, inject_lora
+    from megatron_slmoe.lora.experts import LoRALatentSwiGLUExperts
+    from megatron_slmoe.lora.inject import inject_lora
 
     text = MODEL_YAML.replace("gated_linear_unit: true",
                               "gated_linear_unit: false\n  activation_func: squared_relu")
@@ -166,7 +168,7 @@ def test_nongated_squared_relu_experts_match_reference(tmp_path_factory):
 
 
 def test_forward_at_init_equals_base(mc):
-    from megatron_slmoe.lora import inject_lora
+    from megatron_slmoe.lora.inject import inject_lora
 
     model = build_model(mc)
     model.eval()
@@ -177,7 +179,7 @@ def test_forward_at_init_equals_base(mc):
 
 
 def test_only_lora_parameters_require_and_get_gradients(mc):
-    from megatron_slmoe.lora import inject_lora, lora_modules
+    from megatron_slmoe.lora.inject import inject_lora, lora_modules
 
     model = build_model(mc)
     inject_lora(model, lora_config())
@@ -196,7 +198,7 @@ def test_only_lora_parameters_require_and_get_gradients(mc):
 
 
 def test_lora_tensors_carry_megatron_parallel_attributes(mc):
-    from megatron_slmoe.lora import inject_lora
+    from megatron_slmoe.lora.inject import inject_lora
 
     model = build_model(mc)
     inject_lora(model, lora_config())
@@ -220,7 +222,7 @@ def test_lora_tensors_carry_megatron_parallel_attributes(mc):
 
 
 def test_lora_at_init_is_drawn_per_global_name(mc):
-    from megatron_slmoe.lora import inject_lora
+    from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.lora.base import init_lora_a
 
     model = build_model(mc)
@@ -238,7 +240,8 @@ def test_lora_at_init_is_drawn_per_global_name(mc):
 
 
 def test_target_that_matches_nothing_is_one_line_naming_what_exists(mc, tmp_path_factory):
-    from megatron_slmoe.lora import LoRATargetError, inject_lora
+    from megatron_slmoe.lora.inject import inject_lora
+    from megatron_slmoe.lora.targets import LoRATargetError
 
     config = lora_config(targets=["linear_qkv"])
     object.__setattr__(config, "targets", ["linear_qkvx"])  # past validation: inject checks again
@@ -257,7 +260,7 @@ def test_target_that_matches_nothing_is_one_line_naming_what_exists(mc, tmp_path
 
 
 def test_injecting_twice_or_into_ddp_is_refused(mc):
-    from megatron_slmoe.lora import inject_lora
+    from megatron_slmoe.lora.inject import inject_lora
 
     model = build_model(mc)
     inject_lora(model, lora_config(targets=["router"]))
@@ -266,7 +269,7 @@ def test_injecting_twice_or_into_ddp_is_refused(mc):
 
 
 def test_dropout_acts_on_the_lora_input_in_training_only(mc):
-    from megatron_slmoe.lora import inject_lora
+    from megatron_slmoe.lora.inject import inject_lora
 
     model = build_model(mc)
     inject_lora(model, lora_config(targets=["linear_qkv"], dropout=0.5))
@@ -284,7 +287,7 @@ def test_dropout_acts_on_the_lora_input_in_training_only(mc):
 
 
 def test_config_validation_one_line_naming_the_field():
-    from megatron_slmoe.lora import LoRAConfig
+    from megatron_slmoe.lora.config import LoRAConfig
 
     cases = [({"rank": 0}, "lora.rank"), ({"rank": 257}, "lora.rank"), ({"rank": 2.0}, "lora.rank"),
              ({"alpha": 0}, "lora.alpha"), ({"alpha": float("nan")}, "lora.alpha"),
@@ -301,12 +304,8 @@ def test_config_validation_one_line_naming_the_field():
 
 
 def test_config_json_round_trip_and_refusals():
-    from megatron_slmoe.lora import (
-        LoRAConfig,
-        adapter_config_json,
-        lora_config_from_json,
-        read_base_info,
-    )
+    from megatron_slmoe.lora.adapter import adapter_config_json, lora_config_from_json, read_base_info
+    from megatron_slmoe.lora.config import LoRAConfig
 
     config = LoRAConfig(rank=16, alpha=32, dropout=0.1, targets=["router", "linear_fc1"],
                         init_seed=3)
@@ -333,7 +332,7 @@ def test_config_json_round_trip_and_refusals():
 def test_full_recomputation_still_trains_the_adapters(mc):
     """The frozen embedding gives the first checkpointed block an input without grad; inject_lora
     marks it so that Megatron's activation checkpointing keeps the LoRA graph."""
-    from megatron_slmoe.lora import inject_lora, lora_modules
+    from megatron_slmoe.lora.inject import inject_lora, lora_modules
 
     model = build_model(mc, recompute_granularity="full", recompute_method="uniform",
                         recompute_num_layers=1)
@@ -344,3 +343,12 @@ def test_full_recomputation_still_trains_the_adapters(mc):
     for module in lora_modules(model):
         for param in module.lora_parameters():
             assert param.grad is not None and param.grad.abs().sum() > 0, module.lora_name
+
+
+def test_torch_free_target_names_are_exactly_the_module_kinds_targets():
+    """lora.config names the targets without torch; the registry must adapt each and no other."""
+    from megatron_slmoe.lora.config import TARGET_NAMES
+    from megatron_slmoe.lora.targets import MODULE_KINDS
+
+    assert set(TARGET_NAMES) == {t for kind in MODULE_KINDS for t in kind.targets}
+    assert len(set(TARGET_NAMES)) == len(TARGET_NAMES)

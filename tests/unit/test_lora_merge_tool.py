@@ -29,8 +29,9 @@ def inputs(tmp_path_factory):
     """A model config file, a base dist checkpoint, an adapter, and the adapted model's logits."""
     from megatron.core import dist_checkpointing
 
-    from megatron_slmoe.lora import inject_lora, save_adapter
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.lora.adapter import save_adapter
+    from megatron_slmoe.lora.inject import inject_lora
+    from megatron_slmoe.model.model_file import load_model_config
 
     root = tmp_path_factory.mktemp("merge-tool")
     config_path = root / "merge_unit.yaml"

@@ -53,8 +53,8 @@ def test_a_layout_that_fits_passes(world_512):
 
 
 def test_no_device_memory_no_check():
-    from megatron_slmoe.config.run import RunConfig
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.training.config import RunConfig
+    from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.training.inputs import memory_check
 
     import megatron_slmoe

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+from megatron_slmoe.platform import current as current_platform
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.model.build import build_gpt_model
-from megatron_slmoe.model.config import (
+from megatron_slmoe.model.model_file import (
     ModelConfig,
     dump_model_config,
     load_model_config,
@@ -367,12 +367,12 @@ def test_a_model_built_for_loading_has_the_initialised_models_tensor_parallel_ma
     """Megatron marks tensor-parallel weights only while initialising them; a model built to be
     loaded (no initialisation) must carry the same marks, or the grad norm under TP counts its
     shards on TP rank 0 only."""
-    from megatron_slmoe.config.run import ParallelConfig
+    from megatron_slmoe.parallel.config import ParallelConfig
     from megatron_slmoe.training.model_setup import build_model
 
     def marks(initialize):
         model, _ = build_model(load_model_config("tiny"), ParallelConfig(), False,
-                               megatron_slmoe.PLATFORM, initialize=initialize)
+                               current_platform(), initialize=initialize)
         return {name: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
                 for name, p in model.named_parameters()}
 

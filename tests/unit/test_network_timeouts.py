@@ -17,7 +17,7 @@ PROBE = """
 import json, torch
 import megatron_slmoe
 from torch.distributed import distributed_c10d as c10d
-from megatron_slmoe.config.run import ParallelConfig
+from megatron_slmoe.parallel.config import ParallelConfig
 from megatron_slmoe.training import model_setup
 model_setup.init_distributed(ParallelConfig(distributed_timeout_minutes=7), 1,
                              megatron_slmoe.PLATFORM)

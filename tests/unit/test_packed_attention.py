@@ -66,7 +66,7 @@ def test_mask_and_positions_by_hand():
 def test_a_fused_softmax_that_would_drop_the_mask_is_refused(tmp_path):
     from tests.helpers.lora_models import MODEL_YAML
 
-    from megatron_slmoe.config.cli import parse_command_line
+    from megatron_slmoe.training.cli import parse_command_line
     from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.training.inputs import check_inputs
 

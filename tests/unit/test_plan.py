@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
 from megatron_slmoe.plan import (
     DEVICES,
     RunSettings,
@@ -34,7 +33,7 @@ TINY_FP32 = dict(dtype="fp32", seq_length=128, global_batch_size=16, moe_imbalan
 @pytest.mark.parametrize("name", ["tiny", "small", "flagship_2p8t"])
 def test_census_from_config_equals_meta_census(megatron_single_rank, name):
     from megatron_slmoe.model.census import count_parameters
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
 
     assert census(load_shape(name)) == count_parameters(load_model_config(name))
 
@@ -73,7 +72,7 @@ _MLA = """\
 @pytest.mark.parametrize("case", ["mla-q-lora", "mla-no-q-lora", "squared-relu-experts"])
 def test_census_of_hf_shaped_configs_equals_meta_census(megatron_single_rank, tmp_path, case):
     from megatron_slmoe.model.census import count_parameters
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
 
     if case == "squared-relu-experts":
         fields = dict(gated="false", activation="squared_relu",
@@ -87,7 +86,8 @@ def test_census_of_hf_shaped_configs_equals_meta_census(megatron_single_rank, tm
     path.write_text(_HF_SHAPED.format(**fields))
     assert census(load_shape(path)) == count_parameters(load_model_config(path))
     # The planner's LoRA parameters (every target the model has) equal the adapted model's.
-    from megatron_slmoe.lora import LoRAConfig, inject_lora
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.model.build import build_gpt_model
 
     targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "shared_experts",
@@ -148,9 +148,10 @@ def test_activations_equal_what_autograd_saves(megatron_single_rank, recompute):
     """One rank, top-k routing fills k rows per token exactly (no imbalance without EP)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_slmoe.lora import LoRAConfig, inject_lora
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.model.build import build_gpt_model
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
 
     model_parallel_cuda_manual_seed(7)
     mc = load_model_config("tiny")
@@ -226,7 +227,7 @@ def test_small_cluster_is_refused_with_the_smallest_that_fits():
 
 
 def test_check_layout_refuses_with_the_nearest_fit_and_formats_the_oom_report():
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
 
     settings = RunSettings(tp=8, pp=8, ep=64, dp=8, global_batch_size=512, micro_batch_size=2)
     check = check_layout(load_model_config("flagship_2p8t"), settings, device=DEVICES["910b"])

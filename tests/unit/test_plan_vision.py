@@ -4,8 +4,8 @@ the first stage's estimate grows by exactly their weights, adapters and activati
 
 import pytest
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-from megatron_slmoe.config.run import ImageTextConfig, VisionConfig
+from megatron_slmoe.data.config import ImageTextConfig
+from megatron_slmoe.model.config import VisionConfig
 from megatron_slmoe.plan import RunSettings, estimate_memory, load_shape
 from megatron_slmoe.plan.devices import DeviceSpec
 from megatron_slmoe.plan.vision import VisionShape, vision_lora_parameters, vision_parameters
@@ -23,10 +23,11 @@ VISION_TARGETS = ["vision_attention", "projector"]
 
 
 def _built_counts(vision: VisionConfig) -> tuple[dict, int]:
-    from megatron_slmoe.config.run import ParallelConfig
-    from megatron_slmoe.lora import LoRAConfig, inject_lora
+    from megatron_slmoe.parallel.config import ParallelConfig
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.model.build import run_transformer_config
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.model.multimodal import build_multimodal_model
 
     mc = load_model_config("tiny")
@@ -71,7 +72,7 @@ def test_first_stage_carries_the_vision_tower():
 
 
 def test_image_text_run_settings_name_the_tower():
-    from megatron_slmoe.config.cli import build_run_config
+    from megatron_slmoe.training.cli import build_run_config
 
     run = build_run_config({"data": {"task": "image-text"},
                             "vision": {"num_layers": 3, "num_attention_heads": 1}})
@@ -93,10 +94,11 @@ def test_vision_activations_equal_what_autograd_saves(megatron_single_rank, name
     planner says the first stage keeps for one micro-batch's images."""
     import torch
 
-    from megatron_slmoe.config.run import ParallelConfig
-    from megatron_slmoe.lora import LoRAConfig, inject_lora
+    from megatron_slmoe.parallel.config import ParallelConfig
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.model.build import run_transformer_config
-    from megatron_slmoe.model.config import load_model_config
+    from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.model.multimodal import build_multimodal_model
     from megatron_slmoe.plan.vision import vision_activations
     from tests.helpers.autograd import saved_activation_bytes

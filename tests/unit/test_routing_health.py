@@ -42,7 +42,7 @@ def _skewed_inputs(steps, gen):
 
 
 def _train(aux_coeff, steps=60):
-    from megatron_slmoe.config.run import MonitorConfig
+    from megatron_slmoe.moe.config import MonitorConfig
     from megatron_slmoe.moe.monitor import RoutingMonitor
 
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def test_aux_loss_lowers_load_imbalance():
 
 
 def test_collapsing_router_trips_the_detector(caplog):
-    from megatron_slmoe.config.run import MonitorConfig
+    from megatron_slmoe.moe.config import MonitorConfig
     from megatron_slmoe.moe.monitor import RoutingCollapseError, RoutingMonitor
 
     layer, _ = _layer()
@@ -130,7 +130,7 @@ def test_healthy_small_steps_raise_no_alarm_and_a_collapse_is_still_caught():
     """Four tokens a step: judged step by step, a healthy router looks dominated and starved by
     chance; with the defaults (a warm-up, then a check per 1024 routed tokens) it raises nothing,
     and the same settings catch a collapsed router right after the warm-up."""
-    from megatron_slmoe.config.run import MonitorConfig
+    from megatron_slmoe.moe.config import MonitorConfig
 
     strict = dict(starved_patience=2, dominant_fraction=0.3)
     per_step = _alarms(MonitorConfig(**strict, warmup_steps=0, min_routed_tokens=0), 600, 4,
@@ -172,7 +172,7 @@ def test_expert_bias_updates_only_when_not_frozen(slmoe_kwargs, bias_moves):
 
 
 def test_monitor_reports_dispatcher_traffic_next_to_load():
-    from megatron_slmoe.config.run import MonitorConfig
+    from megatron_slmoe.moe.config import MonitorConfig
     from megatron_slmoe.moe.monitor import RoutingMonitor
 
     layer, _ = _layer()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_slmoe.config.run import MonitorConfig
+from megatron_slmoe.moe.config import MonitorConfig
 from megatron_slmoe.moe.monitor import (RoutingCollapseError, RoutingMonitor,
                                         summary_line)
 from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator

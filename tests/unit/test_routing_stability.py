@@ -43,7 +43,7 @@ def _tokens(seed=0):
 
 
 def _lora_model(mc, targets, seed=0, **overrides):
-    from megatron_slmoe.lora import inject_lora
+    from megatron_slmoe.lora.inject import inject_lora
 
     model = build_model(mc, seed=seed, **overrides)
     inject_lora(model, lora_config(targets=targets))
@@ -67,7 +67,7 @@ def _capture_logits(router):
 
 
 def _lora_params(model):
-    from megatron_slmoe.lora import lora_modules
+    from megatron_slmoe.lora.inject import lora_modules
 
     return [p for m in lora_modules(model) for p in m.lora_parameters()]
 
@@ -154,7 +154,7 @@ def _bernoulli_kl(p_TE, q_TE):
 
 
 def test_routing_preservation_is_the_kl_to_the_base_routing(mc):
-    from megatron_slmoe.lora import adapters_disabled
+    from megatron_slmoe.lora.inject import adapters_disabled
     from megatron_slmoe.moe.stability import RoutingStability
 
     coeff = 2.0
@@ -189,7 +189,7 @@ def test_routing_preservation_is_the_kl_to_the_base_routing(mc):
 
 
 def test_a_step_without_its_reference_pass_is_refused(mc):
-    from megatron_slmoe.lora import adapters_disabled
+    from megatron_slmoe.lora.inject import adapters_disabled
     from megatron_slmoe.moe.stability import RoutingStability
 
     model = _lora_model(mc, ["linear_qkv"])
@@ -199,7 +199,7 @@ def test_a_step_without_its_reference_pass_is_refused(mc):
 
 
 def test_drift_on_the_probe_batch(mc):
-    from megatron_slmoe.lora import adapters_disabled
+    from megatron_slmoe.lora.inject import adapters_disabled
     from megatron_slmoe.moe.stability import RoutingStability
 
     model = _lora_model(mc, ["linear_qkv", "linear_proj"])
@@ -230,9 +230,9 @@ def test_drift_on_the_probe_batch(mc):
 
 
 def test_disabled_adapters_give_the_base_model_bitwise(mc):
-    from megatron_slmoe.lora import adapters_disabled
+    from megatron_slmoe.lora.inject import adapters_disabled
 
-    from megatron_slmoe.lora import inject_lora
+    from megatron_slmoe.lora.inject import inject_lora
 
     model = build_model(mc, seed=5)
     tokens, positions = _tokens()

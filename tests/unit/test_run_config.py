@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_slmoe.config.cli import build_parser, build_run_config, parse_command_line, to_yaml
+from megatron_slmoe.training.cli import build_parser, build_run_config, parse_command_line, to_yaml
 from megatron_slmoe.config.errors import ConfigError
-from megatron_slmoe.config.run import RunConfig, validate_run
+from megatron_slmoe.training.config import RunConfig, validate_run
 from megatron_slmoe.config.schema import settings
 
 ROOT = Path(__file__).resolve().parents[2]

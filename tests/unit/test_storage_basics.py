@@ -139,7 +139,7 @@ def test_credentials_in_a_url_are_refused_without_echoing_them():
 
 
 def _parse(*argv):
-    from megatron_slmoe.config.cli import parse_command_line
+    from megatron_slmoe.training.cli import parse_command_line
 
     return parse_command_line(list(argv), prog="t", description="", world_size=0).run
 
@@ -185,7 +185,7 @@ def test_credentials_in_a_url_setting_never_reach_the_config_or_the_error(aws_en
     """A URL with credentials in it is refused in one line naming the setting but not the secret
     (before --print-config prints anything); the dump of a configuration (``--print-config``, a
     run's config.yaml) masks the environment's secrets wherever they appear."""
-    from megatron_slmoe.config.cli import to_yaml
+    from megatron_slmoe.training.cli import to_yaml
     from megatron_slmoe.training.finetune import main
 
     for key_id, secret in ((KEY_ID, SECRET), ("someone", "plainsecret123")):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_slmoe.config.run import StorageConfig
+from megatron_slmoe.storage.config import StorageConfig
 from megatron_slmoe.storage import Storage, StorageError
 from megatron_slmoe.storage.cache import NodeCache
 from megatron_slmoe.storage.errors import CacheError, ObjectNotFoundError

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
-from megatron_slmoe.data import DataError, DataFileNotFoundError, load_tokenizer, train_tokenizer
+from megatron_slmoe.data.errors import DataError, DataFileNotFoundError
+from megatron_slmoe.data.tokenizer import load_tokenizer, train_tokenizer
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.tokenizer import SPECIAL_TOKENS
 

@@ -148,7 +148,7 @@ def _rank(rank: int, world: int, spec: dict, barrier, results) -> None:
         import torch
 
         torch.set_num_threads(1)
-        from megatron_slmoe.config.run import StorageConfig
+        from megatron_slmoe.storage.config import StorageConfig
         from megatron_slmoe.storage import Storage
 
         storage = Storage(StorageConfig(cache_dir=spec["cache_dir"], cache_max_gb=spec["cache_gb"],

@@ -50,7 +50,7 @@ def write_adapter(args, hf_dir: str, directory: str) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from megatron_slmoe.config.run import LoRAConfig
+    from megatron_slmoe.lora.config import LoRAConfig
     from megatron_slmoe.hf.loader import open_hf_checkpoint
     from megatron_slmoe.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config_json
 

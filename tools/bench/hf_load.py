@@ -235,7 +235,9 @@ def main(argv=None) -> int:
     hf_dir = os.path.join(workdir, "checkpoint")
     os.makedirs(hf_dir, exist_ok=True)
     try:
-        import megatron_slmoe  # noqa: F401  (the platform adaptor, before transformers' import)
+        from megatron_slmoe.platform import apply_adaptor
+
+        apply_adaptor()  # before transformers is imported
         from megatron_slmoe.hf.loader import open_hf_checkpoint
 
         checkpoint_bytes = write_checkpoint(args, hf_dir)

@@ -34,7 +34,9 @@ import time
 import numpy as np
 import torch
 
-import megatron_slmoe  # noqa: F401  (applies the platform adaptor)
+from megatron_slmoe.platform import apply_adaptor
+
+apply_adaptor()
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.image import ImagePreprocessConfig, decode_image, preprocess_image
 from megatron_slmoe.data.image_text import ImageTextDataset, collate_image_text, open_energon_split

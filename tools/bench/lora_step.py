@@ -197,7 +197,7 @@ def build_megatron(args, world, expert_kind: str):
 
 
 def lora_config(args, targets):
-    from megatron_slmoe.config.run import LoRAConfig
+    from megatron_slmoe.lora.config import LoRAConfig
 
     return LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, dropout=0.0,
                       targets=list(targets))
@@ -266,7 +266,7 @@ def enable_expert_lora(model) -> None:
 
 class Trainer:
     def __init__(self, name, model, config, args):
-        from megatron_slmoe.config.run import OptimizerConfig, ScheduleConfig
+        from megatron_slmoe.training.config import OptimizerConfig, ScheduleConfig
         from megatron_slmoe.training.model_setup import wrap_and_optimize
         from stage_profile import wrap_forward
 

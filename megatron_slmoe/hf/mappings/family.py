@@ -25,7 +25,7 @@ from megatron_slmoe.hf.mappings.kinds import (
 )
 from megatron_slmoe.hf.mappings.layouts import Layouts
 # The one import of ModelConfig in hf/.
-from megatron_slmoe.model.config import ModelConfig
+from megatron_slmoe.model.model_file import ModelConfig
 from megatron_slmoe.model.validation import validate_moe_config
 
 # HF activation names -> our model files' activation_func names.

@@ -24,7 +24,7 @@ from typing import Any, NoReturn, Optional, Sequence
 import yaml
 
 from megatron_slmoe.config.errors import ConfigError
-from megatron_slmoe.config.run import RunConfig, validate_run
+from megatron_slmoe.training.config import RunConfig, validate_run
 from megatron_slmoe.config.schema import hints, settings
 from megatron_slmoe.config.types import describe, is_list, is_optional, literal_choices, matches, \
     scalar_type

@@ -1,0 +1,1 @@
+"""Parallel layout: the ranks' node topology and the layout settings."""
