@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Layout planner for LoRA fine-tuning: a thin wrapper over ``python -m megatron_slmoe.plan``.
 
-    python tools/plan.py --config flagship_2p8t --num-devices 256 --device h200 --json plan.json
+    python tools/plan.py --model-config flagship_2p8t --num-devices 256 --device h200 --json plan.json
 """
 
 import sys

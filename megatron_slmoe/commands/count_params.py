@@ -3,8 +3,8 @@
 The whole model (no tensor, pipeline or expert parallelism) is built on the meta device, so even
 the 2.8e12-parameter flagship takes no memory and a few seconds.
 
-    slmoe-count-params --config flagship_2p8t          # a table
-    slmoe-count-params --config my_model.yaml --json   # one JSON object on stdout
+    slmoe-count-params --model-config flagship_2p8t          # a table
+    slmoe-count-params --model-config my_model.yaml --json   # one JSON object on stdout
 
 Bad input (missing file, invalid YAML, invalid configuration) is one line on stderr, exit code 2.
 """
@@ -26,7 +26,7 @@ from megatron_slmoe.model.model_file import load_model_config
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True,
+    parser.add_argument("--model-config", required=True,
                         help="a model YAML file, or the name of a packaged config "
                              "(tiny, flagship_2p8t)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -61,7 +61,7 @@ def _table(census: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
-    model_config = load_model_config(args.config)
+    model_config = load_model_config(args.model_config)
     start = time.perf_counter()
     census = count_parameters(model_config)
     census = {

@@ -4,7 +4,7 @@
         --output runs/demo/merged
 
 The model config is the one the base checkpoint records (its ``model_config.yaml`` or
-``model_config.txt``), else the adapter's; ``--config``, if given, must name the same model. The
+``model_config.txt``), else the adapter's; ``--model-config``, if given, must name the same model. The
 model is built as ``megatron_slmoe.model.build.build_gpt_model`` builds it, in one process
 (TP = PP = EP = 1, a one-rank gloo group), the base dist checkpoint is loaded into it, the adapter
 is loaded (``load_adapter``; its recorded base model config and tokenizer must match the base's)
@@ -12,7 +12,7 @@ and merged (W += alpha/r * B A, per expert too), and ``model.sharded_state_dict(
 Megatron's dist checkpointing into a temporary directory next to ``--output`` that is moved into
 place only when complete. The result loads like any base checkpoint of that config, in any layout.
 
-Bad input (missing or unreadable checkpoint, adapter, config; a --config or an adapter for
+Bad input (missing or unreadable checkpoint, adapter, config; a --model-config or an adapter for
 another model or tokenizer; an existing non-empty output) is one line on stderr and exit code 2,
 before anything is built.
 """
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Megatron dist checkpoint directory of the base model")
     parser.add_argument("--adapter", required=True,
                         help="adapter directory (adapter_config.json, adapter_model.safetensors)")
-    parser.add_argument("--config", default=None,
+    parser.add_argument("--model-config", default=None,
                         help="model YAML file or packaged config name (default: the one the base "
                              "checkpoint records; if given, it must name the same model)")
     parser.add_argument("--output", required=True,
@@ -116,14 +116,14 @@ def merge(args: argparse.Namespace) -> str:
 
 def _model_config(args: argparse.Namespace):
     """(the model to build, whether it was chosen by name): what the base checkpoint records,
-    else what the adapter records; ``--config`` must agree with the base's record."""
+    else what the adapter records; ``--model-config`` must agree with the base's record."""
     from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.lora.adapter import AdapterError, read_adapter_config
     from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.training.checkpointing import recorded_model_config
     from megatron_slmoe.training.inputs import check_base_model
 
-    chosen = args.config or recorded_model_config(args.base_checkpoint)
+    chosen = args.model_config or recorded_model_config(args.base_checkpoint)
     if chosen is None:
         try:
             chosen = read_adapter_config(args.adapter)[1].get("model_config")
@@ -131,14 +131,14 @@ def _model_config(args: argparse.Namespace):
             raise BadInput(_one_line(err)) from None
     if chosen is None:
         raise BadInput(f"--base-checkpoint {args.base_checkpoint} and --adapter {args.adapter} "
-                       f"record no model config: pass --config")
+                       f"record no model config: pass --model-config")
     try:
         model_config = load_model_config(chosen)
         check_base_model(args.base_checkpoint, model_config,
                          f"--base-checkpoint {args.base_checkpoint}")
     except ConfigError as err:
         raise BadInput(_one_line(err)) from None
-    return model_config, not os.path.isfile(chosen) or chosen == args.config
+    return model_config, not os.path.isfile(chosen) or chosen == args.model_config
 
 
 def _tokenizer_info(base: str) -> dict:

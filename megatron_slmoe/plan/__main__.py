@@ -1,7 +1,7 @@
 """python -m megatron_slmoe.plan: the fastest layouts of a cluster that fit, and why others do not.
 
-    python -m megatron_slmoe.plan --config flagship_2p8t --num-devices 256 --device h200
-    python -m megatron_slmoe.plan --config my.yaml --num-devices 512 --device-memory-gb 64 \\
+    python -m megatron_slmoe.plan --model-config flagship_2p8t --num-devices 256 --device h200
+    python -m megatron_slmoe.plan --model-config my.yaml --num-devices 512 --device-memory-gb 64 \\
         --devices-per-node 16 --json plan.json
 
 Bad input is one line on stderr and exit code 2.
@@ -28,7 +28,7 @@ class _BadInput(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="python -m megatron_slmoe.plan", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="packaged model config name or YAML file")
+    p.add_argument("--model-config", required=True, help="packaged model config name or YAML file")
     p.add_argument("--num-devices", type=int, required=True)
     p.add_argument("--device", choices=sorted(DEVICES), default=None,
                    help="a preset (memory, rates, links, overhead)")
@@ -103,7 +103,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         options.settings(micro_batch_size=min(options.micro_batch_sizes)).validate()
         if any(m < 1 for m in options.micro_batch_sizes):
             raise _BadInput("--micro-batch-sizes must be positive")
-        shape = load_shape(args.config)
+        shape = load_shape(args.model_config)
     except (_BadInput, ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -81,7 +81,7 @@ def _run_tool(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 
 
 def test_flagship_is_2p8_trillion_on_meta():
-    proc = _run_tool("--config", "flagship_2p8t", "--json")
+    proc = _run_tool("--model-config", "flagship_2p8t", "--json")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1
@@ -111,7 +111,7 @@ def test_tool_bad_input_in_process(tmp_path, capsys, content, expected):
     path = tmp_path / "model.yaml"
     if content is not None:
         path.write_text(content)
-    assert _load_tool().main(["--config", str(path)]) == 2
+    assert _load_tool().main(["--model-config", str(path)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and expected in err
 
@@ -120,7 +120,7 @@ def test_tool_table_output(megatron_single_rank, capsys):
     megatron_logger = logging.getLogger("megatron")
     level = megatron_logger.level
     try:
-        assert _load_tool().main(["--config", "tiny"]) == 0
+        assert _load_tool().main(["--model-config", "tiny"]) == 0
     finally:
         megatron_logger.setLevel(level)  # the tool quiets Megatron's construction chatter
     out = capsys.readouterr().out
@@ -131,13 +131,13 @@ def test_tool_invalid_config_exits_2_with_one_line(tmp_path):
     text = (ROOT / "megatron_slmoe" / "model" / "configs" / "tiny.yaml").read_text()
     path = tmp_path / "bad.yaml"
     path.write_text(text.replace("moe_router_topk: 2", "moe_router_topk: 9"))
-    proc = _run_tool("--config", str(path), "--json")
+    proc = _run_tool("--model-config", str(path), "--json")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "--moe-router-topk" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_tool_platform_error_exits_2_with_one_line():
-    proc = _run_tool("--config", "tiny", env={"SLMOE_PLATFORM": "nonsense"})
+    proc = _run_tool("--model-config", "tiny", env={"SLMOE_PLATFORM": "nonsense"})
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "SLMOE_PLATFORM" in proc.stderr

@@ -52,7 +52,7 @@ def inputs(tmp_path_factory):
 def _args(inputs, **changes):
     root = inputs["root"]
     fields = {"--base-checkpoint": str(root / "base"), "--adapter": str(root / "adapter"),
-              "--config": inputs["config"], "--output": str(root / "merged")}
+              "--model-config": inputs["config"], "--output": str(root / "merged")}
     fields.update(changes)
     return [x for kv in fields.items() for x in kv]
 
@@ -75,8 +75,8 @@ def test_merged_checkpoint_reproduces_the_adapted_model(inputs, capsys):
 @pytest.mark.parametrize("change, needle", [
     ({"--base-checkpoint": "/nonexistent/base"}, "--base-checkpoint /nonexistent/base: no such"),
     ({"--adapter": "/nonexistent/adapter"}, "--adapter /nonexistent/adapter: no such"),
-    ({"--config": "no_such_model"}, "no model config named 'no_such_model'"),
-    ({"--config": "tiny"}, "cannot load base checkpoint"),
+    ({"--model-config": "no_such_model"}, "no model config named 'no_such_model'"),
+    ({"--model-config": "tiny"}, "cannot load base checkpoint"),
     ({"--base-checkpoint": "{root}/adapter"}, "cannot load base checkpoint"),
     ({"--output": "{root}/adapter"}, "exists and is not an empty directory"),
 ], ids=["no-base", "no-adapter", "bad-config", "other-model", "not-a-checkpoint", "output-exists"])
@@ -92,7 +92,7 @@ def test_bad_input_is_one_line_and_exit_code_2(inputs, capsys, change, needle):
 def test_adapter_for_another_base_model_is_refused(inputs, capsys, tmp_path):
     other_config = tmp_path / "other_name.yaml"
     other_config.write_text(MODEL_YAML)
-    assert _tool().main(_args(inputs, **{"--config": str(other_config),
+    assert _tool().main(_args(inputs, **{"--model-config": str(other_config),
                                          "--output": str(tmp_path / "out")})) == 2
     err = capsys.readouterr().err
     assert "trained on base model model_config='merge_unit', not 'other_name'" in err, err
@@ -109,8 +109,8 @@ def test_the_model_config_comes_from_the_base(inputs, capsys, tmp_path):
     shutil.copyfile(inputs["config"], base / "model_config.yaml")
     args = _args(inputs, **{"--base-checkpoint": str(base), "--output": str(tmp_path / "out")})
     without_config = [a for i, a in enumerate(args)
-                      if a != "--config" and (i == 0 or args[i - 1] != "--config")]
-    assert _tool().main([*without_config, "--config", "flagship_2p8t"]) == 2
+                      if a != "--model-config" and (i == 0 or args[i - 1] != "--model-config")]
+    assert _tool().main([*without_config, "--model-config", "flagship_2p8t"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds model" in err and "not 'flagship_2p8t'" in err, err
     assert not os.path.exists(tmp_path / "out")

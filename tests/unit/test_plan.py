@@ -244,7 +244,7 @@ def test_check_layout_refuses_with_the_nearest_fit_and_formats_the_oom_report():
 
 def test_cli_writes_json_and_table(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    assert plan_main(["--config", "tiny", "--num-devices", "2", "--device-memory-gb", "1",
+    assert plan_main(["--model-config", "tiny", "--num-devices", "2", "--device-memory-gb", "1",
                       "--devices-per-node", "2", "--seq-length", "128",
                       "--framework-overhead-gb", "0", "--fragmentation", "0",
                       "--global-batch-size", "16", "--json", str(path)]) == 0
@@ -256,13 +256,13 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["--config", "nope", "--num-devices", "8", "--device", "h100"], "no model config"),
-    (["--config", "tiny", "--num-devices", "8"], "--device-memory-gb"),
-    (["--config", "tiny", "--num-devices", "0", "--device", "h100"], "--num-devices"),
-    (["--config", "tiny", "--num-devices", "8", "--device", "h100", "--lora-rank", "0"],
+    (["--model-config", "nope", "--num-devices", "8", "--device", "h100"], "no model config"),
+    (["--model-config", "tiny", "--num-devices", "8"], "--device-memory-gb"),
+    (["--model-config", "tiny", "--num-devices", "0", "--device", "h100"], "--num-devices"),
+    (["--model-config", "tiny", "--num-devices", "8", "--device", "h100", "--lora-rank", "0"],
      "--lora-rank"),
-    (["--config", "tiny", "--num-devices", "8", "--device", "tpu"], "--device"),
-    (["--config", "tiny"], "--num-devices"),
+    (["--model-config", "tiny", "--num-devices", "8", "--device", "tpu"], "--device"),
+    (["--model-config", "tiny"], "--num-devices"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(capsys, argv, expected):
     assert plan_main(argv) == 2
