@@ -1,5 +1,4 @@
-"""Launch-time checks that run before any process group forms (used by scripts/pretrain_lora.sh),
-and where ranks sit on nodes (``topology``, shared by the dispatchers and the preflight).
+"""Launch-time checks that run before any process group forms (used by scripts/pretrain_lora.sh).
 
 - ``python -m megatron_slmoe.launch.netcheck --profile ib|roce|hccl``: the network profile's
   NCCL_*/HCCL_* settings against this machine (interfaces, HCAs, ports, GID types, value ranges).

@@ -1,5 +1,5 @@
 """Pure helpers of the preflight: the pairwise sweep's schedule, the bandwidth formulas and
-summaries (where ranks sit is ``megatron_slmoe.launch.topology``). No torch.distributed here, so
+summaries (where ranks sit is ``megatron_slmoe.parallel.topology``). No torch.distributed here, so
 the unit tests exercise these directly."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from megatron_slmoe.launch import topology
+from megatron_slmoe.parallel import topology
 from megatron_slmoe.preflight import sweep
 from megatron_slmoe.preflight.report import format_table
 

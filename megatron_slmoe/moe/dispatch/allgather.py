@@ -11,7 +11,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from megatron_slmoe.launch.topology import NodeLayout, node_size_from_env
+from megatron_slmoe.parallel.topology import NodeLayout, node_size_from_env
 from megatron_slmoe.moe.dispatch.base import Dispatched, TokenDispatcher
 from megatron_slmoe.moe.dispatch.traffic import TrafficAccumulator
 

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from megatron_slmoe.launch.topology import NodeLayout, node_size_from_env
+from megatron_slmoe.parallel.topology import NodeLayout, node_size_from_env
 from megatron_slmoe.moe.dispatch.base import Dispatched, TokenDispatcher
 from megatron_slmoe.moe.dispatch.traffic import TrafficAccumulator
 from megatron_slmoe.moe.stages import COMBINE, DISPATCH, EXPERTS, stage
