@@ -35,13 +35,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.config.types import coerce, describe, matches
-from megatron_slmoe.model.validation import (
-    EXPERT_TENSOR_PARALLEL_SIZE,
-    flag,
-    make_transformer_config,
-    validate_moe_config,
-)
-from megatron_slmoe.moe.config import SLMoEConfig
+from megatron_slmoe.model.validation import flag, make_transformer_config, validate_moe_config
+from megatron_slmoe.moe.config import EXPERT_TENSOR_PARALLEL_SIZE, SLMoEConfig
 
 _REQUIRED = object()
 
@@ -60,7 +55,7 @@ GPT_FIELDS: dict[str, tuple[Any, Any]] = {
 # may still set them.
 _DEFAULTS: dict[str, Any] = {
     "add_bias_linear": False,
-    # Megatron's default is the TP size; our experts stay whole (see model.validation).
+    # Megatron's default is the TP size; our experts stay whole (see moe.config).
     "expert_tensor_parallel_size": EXPERT_TENSOR_PARALLEL_SIZE,
     "moe_grouped_gemm": False,
 }

@@ -20,11 +20,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.config.types import is_int, is_number
-
-EXPERT_TENSOR_PARALLEL_SIZE = 1
-"""The Stable Latent MoE layer keeps each expert whole: expert tensor parallelism is 1 (the
-checks here refuse anything else; parallel state is initialised with it)."""
-
+from megatron_slmoe.moe.config import check_expert_tensor_parallel
 
 # Fields whose Megatron flag is not "--" + the field name with dashes (Megatron's own
 # ``argparse_meta`` names are read from the dataclass metadata in ``flag``).
@@ -134,14 +130,6 @@ def _check_parallel(f: _Fields, experts: int, tp: int, ep: int, etp: int) -> Non
     check_expert_tensor_parallel(etp)
     if tp > 1 and not f.bool("sequence_parallel"):
         raise ConfigError(f"MoE with --tensor-model-parallel-size {tp} needs --sequence-parallel")
-
-
-def check_expert_tensor_parallel(size: int) -> None:
-    """The one place of the rule that experts stay whole."""
-    if size != EXPERT_TENSOR_PARALLEL_SIZE:
-        raise ConfigError(f"--expert-tensor-parallel-size {size} is not supported: the Stable "
-                          f"Latent MoE layer keeps each expert whole (use "
-                          f"{EXPERT_TENSOR_PARALLEL_SIZE})")
 
 
 def _check_widths(f: _Fields) -> None:

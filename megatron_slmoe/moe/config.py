@@ -15,6 +15,20 @@ from megatron_slmoe.config.schema import Section, setting
 DISPATCHER_NAMES = ("alltoall", "allgather")
 """The token dispatchers a run can choose (megatron_slmoe.moe.dispatch.DISPATCHERS builds them)."""
 
+from megatron_slmoe.config.errors import ConfigError
+
+EXPERT_TENSOR_PARALLEL_SIZE = 1
+"""The Stable Latent MoE layer keeps each expert whole: expert tensor parallelism is 1 (the
+model checks and the layer refuse anything else; parallel state is initialised with it)."""
+
+
+def check_expert_tensor_parallel(size: int) -> None:
+    """The one place of the rule that experts stay whole."""
+    if size != EXPERT_TENSOR_PARALLEL_SIZE:
+        raise ConfigError(f"--expert-tensor-parallel-size {size} is not supported: the Stable "
+                          f"Latent MoE layer keeps each expert whole (use "
+                          f"{EXPERT_TENSOR_PARALLEL_SIZE})")
+
 
 @dataclass(frozen=True)
 class SLMoEConfig:

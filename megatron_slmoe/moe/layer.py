@@ -26,8 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from megatron_slmoe.model.validation import check_expert_tensor_parallel
-from megatron_slmoe.moe.config import SLMoEConfig
+from megatron_slmoe.moe.config import SLMoEConfig, check_expert_tensor_parallel
 from megatron_slmoe.moe.dispatch import DISPATCHERS
 from megatron_slmoe.moe.experts import LatentSwiGLUExperts
 from megatron_slmoe.moe.latent import build_latent_projections

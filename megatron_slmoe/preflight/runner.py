@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_slmoe.moe.config import EXPERT_TENSOR_PARALLEL_SIZE
 from megatron_slmoe.parallel import topology
-from megatron_slmoe.model.validation import EXPERT_TENSOR_PARALLEL_SIZE
 from megatron_slmoe.preflight import sweep
 from megatron_slmoe.preflight.sweep import MIB
 

@@ -29,7 +29,7 @@ from megatron_slmoe.model.build import (
     run_transformer_config,
 )
 from megatron_slmoe.model.model_file import ModelConfig, load_model_config
-from megatron_slmoe.model.validation import EXPERT_TENSOR_PARALLEL_SIZE
+from megatron_slmoe.moe.config import EXPERT_TENSOR_PARALLEL_SIZE
 
 
 def init_distributed(parallel: ParallelConfig, seed: int, platform) -> None:
