@@ -9,26 +9,24 @@ import sys
 
 import torch
 
-from megatron_slmoe.platform import PlatformError
+from megatron_slmoe.platform import PlatformError, applied_patches, apply_adaptor
 
 
 def main() -> int:
     try:
-        import megatron_slmoe  # applies the adaptor (and exits 2 itself under `python -m`)
+        platform = apply_adaptor()
     except PlatformError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from megatron_slmoe.ops import native_kernels
-    from megatron_slmoe.platform import applied_patches
 
-    platform = megatron_slmoe.PLATFORM
     report = {
         "platform": platform.name,
         "backend": platform.backend,
         "device": str(platform.device()),
         "torch": torch.__version__,
         "megatron_core": _version("megatron-core"),
-        "megatron_slmoe": megatron_slmoe.__version__,
+        "megatron_slmoe": _version("megatron-slmoe"),
         "kernels": native_kernels(),
         "patches": applied_patches(),
     }

@@ -22,11 +22,11 @@ def init_single_rank(seed: int = 1234, timeout: timedelta = timedelta(minutes=10
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    import megatron_slmoe
+    from megatron_slmoe.platform import apply_adaptor
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            megatron_slmoe.PLATFORM.backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+            apply_adaptor().backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
             rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()

@@ -83,3 +83,12 @@ def test_current_platform_is_cached_and_matches_package():
     import megatron_slmoe
 
     assert slmoe_platform.current() is megatron_slmoe.PLATFORM
+
+
+def test_apply_adaptor_is_idempotent():
+    import warnings
+
+    first = slmoe_platform.apply_adaptor()
+    patches, filters = slmoe_platform.applied_patches(), list(warnings.filters)
+    assert slmoe_platform.apply_adaptor() is first
+    assert slmoe_platform.applied_patches() == patches and warnings.filters == filters
