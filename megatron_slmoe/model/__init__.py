@@ -8,5 +8,6 @@ Megatron-Core's GPTModel with Stable Latent MoE layers, and the parameter census
 * ``multimodal``: Megatron's LLaVAModel with a CLIP/SigLIP ViT, its projector and the Stable
   Latent MoE language model (``build_multimodal_model``; its settings:
   ``model.config.VisionConfig``);
-* ``hf_vision``: a vision tower imported from a Hugging Face CLIP or SigLIP checkpoint.
+* ``hf_vision``: a vision tower imported from a Hugging Face CLIP or SigLIP checkpoint, by the
+  name tables of ``vision_mappings``.
 """

@@ -1,7 +1,8 @@
 """Import a Hugging Face CLIP or SigLIP vision tower into the multimodal model's CLIPViTModel.
 
-The name tables (Hugging Face <-> Megatron, one conversion kind per tensor) live with the other
-Hugging Face mappings, in ``megatron_slmoe/hf/mappings/vision.py``; this module reads them.
+The name tables (Hugging Face <-> Megatron, one conversion kind per tensor) are in
+``vision_mappings``, beside this module (``model/`` stands below ``hf/``, which holds the language
+model families' tables).
 
 * :func:`vision_config_from_hf` turns a transformers ``CLIPVisionConfig`` / ``SiglipVisionConfig``
   (or the ``vision_config`` of a full CLIP/SigLIP config) into a :class:`VisionConfig`;
@@ -24,8 +25,8 @@ from typing import Callable, Dict, List, Mapping, Tuple
 
 import torch
 
-from megatron_slmoe.hf.mappings.vision import HF_ACTIVATIONS, HF_PREFIXES, VISION_MAPPINGS
 from megatron_slmoe.model.multimodal import VisionConfig
+from megatron_slmoe.model.vision_mappings import HF_ACTIVATIONS, HF_PREFIXES, VISION_MAPPINGS
 
 
 

@@ -3,7 +3,7 @@
 Rows are (Hugging Face name, Megatron name under ``vision_model.``, kind); ``*`` is the layer
 index, ``{q,k,v}`` names the three tensors fused into one. Kinds: ``copy`` (as is), ``qkv`` (q, k, v
 fused in Megatron's per-head layout: for each head its q, k and v rows), ``class_token`` (the class
-embedding [h] as [1, 1, h]). ``megatron_slmoe.model.hf_vision`` applies them.
+embedding [h] as [1, 1, h]). ``hf_vision`` applies them.
 """
 
 from __future__ import annotations

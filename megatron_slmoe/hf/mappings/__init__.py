@@ -4,7 +4,7 @@
 ``family_for(config, path)`` picks the family (an unknown architecture is one error line naming
 the file and the families we know). The tables live in one module per family; the kinds of
 mapping they use in ``kinds``, the on-disk layouts of expert tensors in ``layouts``. The vision
-towers of image-text models (CLIP, SigLIP) have their tables in ``vision``.
+towers of image-text models (CLIP, SigLIP) have theirs in ``megatron_slmoe.model.vision_mappings``.
 """
 
 from __future__ import annotations
