@@ -11,10 +11,10 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.lora.config import TARGET_NAMES as LORA_TARGETS
 from megatron_slmoe.model.model_file import ModelConfig, load_model_config
-from megatron_slmoe.moe.dispatch.alltoall import (
-           expected_rows_per_destination,
-           flat_traffic_rows,
-           hierarchical_traffic_rows,
+from megatron_slmoe.moe.dispatch.traffic import (
+    expected_rows_per_destination,
+    flat_traffic_rows,
+    hierarchical_traffic_rows,
 )
 
 MLA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)

@@ -67,7 +67,7 @@ def _step(experts, run, x, probs, upstream):
 def overlap_run() -> dict:
     from megatron.core import parallel_state
 
-    from megatron_slmoe.moe.dispatch import AllToAllDispatcher
+    from megatron_slmoe.moe.dispatch.alltoall import AllToAllDispatcher
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     experts = _experts(world)

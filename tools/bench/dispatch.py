@@ -137,7 +137,7 @@ class _MegatronAdapter:
         self.d = dispatcher
 
     def dispatch(self, x_TL, probs_TE, routing_map_TE):
-        from megatron_slmoe.moe.dispatch import Dispatched
+        from megatron_slmoe.moe.dispatch.base import Dispatched
 
         h, p = self.d.dispatch_preprocess(x_TL.unsqueeze(1), routing_map_TE, probs_TE)
         h, p = self.d.token_dispatch(h, p)
@@ -172,8 +172,9 @@ def bench_shape(args, tokens, width, num_experts, topk, routing, nodes, platform
     import torch
     from megatron.core import parallel_state
 
-    from megatron_slmoe.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
-    from megatron_slmoe.moe.dispatch.alltoall import flat_traffic_rows
+    from megatron_slmoe.moe.dispatch.allgather import AllGatherDispatcher
+    from megatron_slmoe.moe.dispatch.alltoall import AllToAllDispatcher
+    from megatron_slmoe.moe.dispatch.traffic import flat_traffic_rows
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     ep_group = parallel_state.get_expert_model_parallel_group()
