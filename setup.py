@@ -218,8 +218,12 @@ setup(
     packages=find_packages(include=["megatron_slmoe", "megatron_slmoe.*"]),
     package_data={"megatron_slmoe": ["model/configs/*.yaml", "assets/*.txt", "assets/*.jsonl",
                                      "assets/*.json", "assets/*.md", _ASCEND_KERNEL_LIB]},
+    # The private names of torch, megatron-core and PEFT we rely on (megatron_slmoe/platform/compat)
+    # are checked by tests/unit/test_compat.py against torch 2.13 (the CPU build scripts/test.sh
+    # installs; GPU machines get the newest torch, which that test then checks), megatron-core
+    # 0.16.1 and peft 0.21.2.
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.13",
         "megatron-core>=0.16,<0.17",
         "numpy",
         "safetensors",

@@ -182,17 +182,10 @@ def _peft_version() -> str:
 
 def _peft_conversion(hf: HFModel) -> Optional[dict]:
     """The module renames PEFT applies when it loads a per-expert adapter of this model type on
-    transformers' model (``gate_proj`` -> ``gate_up_proj``, ``gate`` -> ``gate.weight``, ...), or
-    None where it converts nothing for this type. PEFT keeps that table privately: where it
-    cannot be read, an empty dict (it converts; the names are unknown)."""
-    try:
-        from peft.utils import transformers_weight_conversion as conversion
+    transformers' model, or None where it converts nothing for this type."""
+    from megatron_slmoe.platform.compat.peft import moe_target_module_mapping
 
-        model_type = hf.family.hf_config(hf.checkpoint.config_path).model_type
-        return conversion._MOE_TARGET_MODULE_MAPPING.get(
-            conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type))
-    except (ImportError, AttributeError):
-        return {}
+    return moe_target_module_mapping(hf.family.hf_config(hf.checkpoint.config_path).model_type)
 
 
 def _renamed(hf: HFModel, name: str) -> str:

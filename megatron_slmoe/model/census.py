@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
 
 from megatron_slmoe.model.build import build_gpt_model
 from megatron_slmoe.model.model_file import ModelConfig
+from megatron_slmoe.platform.compat.torch import device_constructors
 from megatron_slmoe.platform.single_rank import init_single_rank
 
 _META = torch.device("meta")
@@ -35,7 +35,7 @@ class _MetaFactories(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in _device_constructors():
+        if func in device_constructors():
             kwargs["device"] = _META
         elif func is torch.Tensor.to:
             if "device" in kwargs:

@@ -29,8 +29,10 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_slmoe.moe.capacity import apply_capacity
 from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator
+from megatron_slmoe.platform.compat.megatron import apply_expert_bias, defer_expert_bias
 
 
+@defer_expert_bias  # to routing(), after capacity dropping
 class SLMoERouter(TopKRouter):
     def __init__(self, config, pg_collection=None, freeze_weight: bool = False,
                  freeze_expert_bias: Optional[bool] = None) -> None:
@@ -45,10 +47,6 @@ class SLMoERouter(TopKRouter):
         self.expert_bias_frozen = freeze_weight if freeze_expert_bias is None else freeze_expert_bias
         self.routing_hooks: list = []  # hook(router, logits_TE, probs, routing_map, valid_T) -> probs
 
-    def _apply_expert_bias(self, routing_map: torch.Tensor,
-                           padding_mask: Optional[torch.Tensor] = None):
-        pass  # deferred to routing(), after capacity dropping
-
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
         if self.capacity_factor is not None:
@@ -57,7 +55,7 @@ class SLMoERouter(TopKRouter):
                 self.config.moe_token_drop_policy, self.config.moe_pad_expert_input_to_capacity)
         if not self.expert_bias_frozen:
             flat_padding = None if padding_mask is None else padding_mask.reshape(-1)
-            TopKRouter._apply_expert_bias(self, routing_map, padding_mask=flat_padding)
+            apply_expert_bias(self, routing_map, padding_mask=flat_padding)
         if self.routing_hooks:
             logits_TE = logits.reshape(-1, self.config.num_moe_experts)
             valid_T = None if padding_mask is None else ~padding_mask.reshape(-1).bool()

@@ -14,6 +14,8 @@ from functools import lru_cache
 
 import torch
 
+from megatron_slmoe.platform.compat.torch import has_kernel_for_dispatch_key
+
 # Dispatch key of each device type we may run on (Ascend NPUs register as PrivateUse1).
 _DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA", "npu": "PrivateUse1"}
 
@@ -59,7 +61,7 @@ def has_native_kernel(op: str, device_type: str) -> bool:
     key = _DISPATCH_KEY.get(device_type)
     if key is None or _load() is not None:
         return False
-    return all(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for name in NATIVE_OPS[op])
+    return all(has_kernel_for_dispatch_key(name, key) for name in NATIVE_OPS[op])
 
 
 def native_kernels() -> dict:

@@ -24,8 +24,8 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from megatron_slmoe.platform.compat.torch import TorchDispatchMode, tree_flatten
 
 
 class LiveTensorBytes(TorchDispatchMode):

@@ -117,16 +117,18 @@ def _serve_write_results() -> None:
     manager process that ends with this trainer (no second import, no orphan)."""
     from multiprocessing.managers import SyncManager
 
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
+    from megatron_slmoe.platform.compat.megatron import (
+        set_write_results_queue,
+        write_results_queue,
+    )
     from megatron_slmoe.training.lifeline import exit_with_parent
 
-    if getattr(filesystem_async, "_results_queue", "absent") is not None:
-        return  # already served (or a megatron-core that no longer keeps it: its own default)
+    if write_results_queue() is not None:
+        return  # already served
     manager = SyncManager(ctx=torch.multiprocessing.get_context("fork"))
     manager.start(initializer=exit_with_parent,
                   initargs=(f"checkpoint results queue of rank {torch.distributed.get_rank()}",))
-    filesystem_async._results_queue = manager.Queue()
+    set_write_results_queue(manager.Queue())
     _MANAGERS.append(manager)  # kept alive with the process
 
 

@@ -203,9 +203,9 @@ def _job_store(op_timeout_s: float):
         return torch.distributed.TCPStore(addr, int(port), is_master=False,
                                           timeout=timedelta(seconds=op_timeout_s),
                                           wait_for_workers=False)
-    from torch.distributed.distributed_c10d import _get_default_store
+    from megatron_slmoe.platform.compat.torch import default_store
 
-    return _get_default_store()
+    return default_store()
 
 
 def start_heartbeat(timeout_s: float, on_stop=None) -> Optional[Heartbeat]:

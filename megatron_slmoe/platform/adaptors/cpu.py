@@ -17,6 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_slmoe.platform.adaptors.compat import register_without_te
+from megatron_slmoe.platform.compat.torch import uncompiled
 from megatron_slmoe.platform.patching import PatchRegistry
 
 _CPU = torch.device("cpu")
@@ -256,10 +257,6 @@ def cuda_devices_on_cpu(fn):
     return wrapper
 
 
-def _uncompiled(fn):
-    return getattr(fn, "_torchdynamo_orig_callable", fn)
-
-
 def _register_megatron(registry: PatchRegistry) -> None:
     def on_cpu(target: str, reason: str) -> None:
         registry.wrap(target, cuda_devices_on_cpu, reason)
@@ -316,7 +313,7 @@ def _register_megatron(registry: PatchRegistry) -> None:
         "megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias",
         "megatron.core.activations.quick_gelu",
     ):
-        registry.wrap(target, _uncompiled, "torch.compile'd: run eagerly on CPU")
+        registry.wrap(target, uncompiled, "torch.compile'd: run eagerly on CPU")
 
     def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
         # Megatron converts split sizes to numpy only when they start on the GPU; collectives
