@@ -139,20 +139,9 @@ def current() -> Platform:
     return _current
 
 
-def _quiet_upstream_noise() -> None:
-    """Warnings that megatron-core raises about its own defaults or its own use of deprecated
-    torch.distributed names: a user can act on none of them, and they bury the training log."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)`")
-
-
 def apply_adaptor() -> Platform:
     """Detect the platform and make Megatron-Core run on it. Idempotent."""
     platform = current()
-    _quiet_upstream_noise()
     from megatron_slmoe.platform.adaptors import adaptor_for
 
     adaptor_for(platform.name).apply()

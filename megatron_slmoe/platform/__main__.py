@@ -4,6 +4,7 @@ backend requested through the environment cannot be used."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -28,6 +29,9 @@ def main() -> int:
         "megatron_core": _version("megatron-core"),
         "megatron_slmoe": _version("megatron-slmoe"),
         "kernels": native_kernels(),
+        # Megatron-Core's optional fused kernels (their absence warns at import; we quiet that)
+        "optional_libraries": {name: importlib.util.find_spec(name) is not None
+                               for name in ("transformer_engine", "apex")},
         "patches": applied_patches(),
     }
     print(json.dumps(report, indent=2))

@@ -11,27 +11,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_slmoe.platform.adaptors.compat import register_without_te
-from megatron_slmoe.platform.compat.torch import uncompiled
+from megatron_slmoe.compat.torch import uncompiled
 from megatron_slmoe.platform.patching import PatchRegistry
 
 _CPU = torch.device("cpu")
 
 
-def quiet_expected_warnings() -> None:
-    """On CPU, missing TransformerEngine/Apex and CUDA tuning hints are expected, not news."""
-    for message in (r".*(Apex|Transformer Engine).* (is|are) not installed",
-                    r".*CUDA_DEVICE_MAX_CONNECTIONS"):
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
-
-
 def build_registry() -> PatchRegistry:
-    quiet_expected_warnings()  # before Megatron-Core is imported to resolve the targets
     registry = PatchRegistry()
     register_without_te(registry)
     _register_cuda_facade(registry)
