@@ -218,7 +218,7 @@ setup(
     packages=find_packages(include=["megatron_slmoe", "megatron_slmoe.*"]),
     package_data={"megatron_slmoe": ["model/configs/*.yaml", "assets/*.txt", "assets/*.jsonl",
                                      "assets/*.json", "assets/*.md", _ASCEND_KERNEL_LIB]},
-    # The private names of torch, megatron-core and PEFT we rely on (megatron_slmoe/platform/compat)
+    # The private names of torch, megatron-core and PEFT we rely on (megatron_slmoe/compat)
     # are checked by tests/unit/test_compat.py against torch 2.13 (the CPU build scripts/test.sh
     # installs; GPU machines get the newest torch, which that test then checks), megatron-core
     # 0.16.1 and peft 0.21.2.

@@ -6,7 +6,7 @@ from megatron.core.datasets.indexed_dataset import _INDEX_HEADER as INDEX_HEADER
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megatron_slmoe.platform.compat import moved
+from megatron_slmoe.compat import moved
 
 TESTED = "0.16.1"
 _RESULTS_QUEUE = "_results_queue"

@@ -6,7 +6,7 @@ from typing import Optional
 
 from peft.utils import transformers_weight_conversion as _conversion
 
-from megatron_slmoe.platform.compat import moved
+from megatron_slmoe.compat import moved
 
 TESTED = "0.21.2"
 

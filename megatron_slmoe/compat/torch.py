@@ -11,7 +11,7 @@ from torch.utils._device import _device_constructors as device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megatron_slmoe.platform.compat import CompatError
+from megatron_slmoe.compat import CompatError
 
 TESTED = "2.13"
 _COMPILED_ORIGINAL = "_torchdynamo_orig_callable"

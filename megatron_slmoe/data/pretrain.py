@@ -172,7 +172,7 @@ def load_indexed_dataset(prefix: str):
                                         "(make it with tools/preprocess_data.py)")
     # Megatron's reader asserts on a foreign file and its half-built objects then print
     # "Exception ignored" tracebacks when collected: look at the header first.
-    from megatron_slmoe.platform.compat.megatron import INDEX_HEADER
+    from megatron_slmoe.compat.megatron import INDEX_HEADER
 
     with open(get_idx_path(prefix), "rb") as f:
         if f.read(len(INDEX_HEADER)) != INDEX_HEADER:

@@ -183,7 +183,7 @@ def _peft_version() -> str:
 def _peft_conversion(hf: HFModel) -> Optional[dict]:
     """The module renames PEFT applies when it loads a per-expert adapter of this model type on
     transformers' model, or None where it converts nothing for this type."""
-    from megatron_slmoe.platform.compat.peft import moe_target_module_mapping
+    from megatron_slmoe.compat.peft import moe_target_module_mapping
 
     return moe_target_module_mapping(hf.family.hf_config(hf.checkpoint.config_path).model_type)
 

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_slmoe.model.build import build_gpt_model
 from megatron_slmoe.model.model_file import ModelConfig
-from megatron_slmoe.platform.compat.torch import device_constructors
+from megatron_slmoe.compat.torch import device_constructors
 from megatron_slmoe.platform.single_rank import init_single_rank
 
 _META = torch.device("meta")

@@ -29,7 +29,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_slmoe.moe.capacity import apply_capacity
 from megatron_slmoe.moe.routing_stats import RoutingStatsAccumulator
-from megatron_slmoe.platform.compat.megatron import apply_expert_bias, defer_expert_bias
+from megatron_slmoe.compat.megatron import apply_expert_bias, defer_expert_bias
 
 
 @defer_expert_bias  # to routing(), after capacity dropping

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from megatron_slmoe.platform.compat.torch import has_kernel_for_dispatch_key
+from megatron_slmoe.compat.torch import has_kernel_for_dispatch_key
 
 # Dispatch key of each device type we may run on (Ascend NPUs register as PrivateUse1).
 _DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA", "npu": "PrivateUse1"}

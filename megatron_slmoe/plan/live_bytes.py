@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from megatron_slmoe.platform.compat.torch import TorchDispatchMode, tree_flatten
+from megatron_slmoe.compat.torch import TorchDispatchMode, tree_flatten
 
 
 class LiveTensorBytes(TorchDispatchMode):

@@ -117,7 +117,7 @@ def _serve_write_results() -> None:
     manager process that ends with this trainer (no second import, no orphan)."""
     from multiprocessing.managers import SyncManager
 
-    from megatron_slmoe.platform.compat.megatron import (
+    from megatron_slmoe.compat.megatron import (
         set_write_results_queue,
         write_results_queue,
     )

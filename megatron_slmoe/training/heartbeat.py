@@ -203,7 +203,7 @@ def _job_store(op_timeout_s: float):
         return torch.distributed.TCPStore(addr, int(port), is_master=False,
                                           timeout=timedelta(seconds=op_timeout_s),
                                           wait_for_workers=False)
-    from megatron_slmoe.platform.compat.torch import default_store
+    from megatron_slmoe.compat.torch import default_store
 
     return default_store()
 

@@ -1,4 +1,4 @@
-"""Every private name of another library that megatron_slmoe uses (``platform/compat``) exists in the
+"""Every private name of another library that megatron_slmoe uses (``compat``) exists in the
 installed version and does what we rely on; a release that moves one fails here, and where the
 package reads it the error is one line naming the installed version."""
 
@@ -9,11 +9,11 @@ from importlib.metadata import version
 import pytest
 import torch
 
-from megatron_slmoe.platform.compat import CompatError
+from megatron_slmoe.compat import CompatError
 
 
 def test_torch_names():
-    from megatron_slmoe.platform.compat import torch as compat
+    from megatron_slmoe.compat import torch as compat
 
     assert torch.empty in compat.device_constructors() and torch.zeros in compat.device_constructors()
     assert compat.has_kernel_for_dispatch_key("aten::add.Tensor", "CPU")
@@ -26,7 +26,7 @@ def test_torch_names():
 
 
 def test_uncompiled_returns_the_function_torch_compile_wraps():
-    from megatron_slmoe.platform.compat.torch import uncompiled
+    from megatron_slmoe.compat.torch import uncompiled
 
     def f(x):
         return x + 1
@@ -41,7 +41,7 @@ def test_megatron_names():
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_slmoe.platform.compat import megatron as compat
+    from megatron_slmoe.compat import megatron as compat
 
     assert compat.INDEX_HEADER.startswith(b"MMIDIDX")
     assert compat.write_results_queue() is filesystem_async._results_queue
@@ -55,7 +55,7 @@ def test_megatron_names():
 def test_megatron_results_queue_moved_is_one_clear_error(monkeypatch):
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_slmoe.platform.compat import megatron as compat
+    from megatron_slmoe.compat import megatron as compat
 
     monkeypatch.delattr(filesystem_async, "_results_queue")
     with pytest.raises(CompatError, match=f"megatron-core {re.escape(version('megatron-core'))} has no "
@@ -65,7 +65,7 @@ def test_megatron_results_queue_moved_is_one_clear_error(monkeypatch):
 
 def test_peft_moe_target_module_mapping():
     pytest.importorskip("peft")
-    from megatron_slmoe.platform.compat.peft import moe_target_module_mapping
+    from megatron_slmoe.compat.peft import moe_target_module_mapping
 
     qwen = moe_target_module_mapping("qwen3_moe")
     assert qwen["gate_proj"] == "gate_up_proj" and qwen["down_proj"] == "down_proj"
@@ -76,7 +76,7 @@ def test_peft_mapping_moved_is_one_clear_error(monkeypatch):
     pytest.importorskip("peft")
     from peft.utils import transformers_weight_conversion
 
-    from megatron_slmoe.platform.compat.peft import moe_target_module_mapping
+    from megatron_slmoe.compat.peft import moe_target_module_mapping
 
     monkeypatch.delattr(transformers_weight_conversion, "_MOE_TARGET_MODULE_MAPPING")
     with pytest.raises(CompatError, match=f"peft {re.escape(version('peft'))} has no "

@@ -19,7 +19,7 @@ PACKAGE_DIR = os.path.dirname(megatron_slmoe.__file__)
 
 FLOORS = (  # bottom to top; README "Package layout" shows the same map
     ("utils",),
-    ("config",),
+    ("config", "compat"),
     ("ops",),
     ("platform", "parallel", "storage"),
     ("moe",),
