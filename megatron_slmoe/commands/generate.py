@@ -180,18 +180,18 @@ def generate(args: argparse.Namespace) -> dict:
     from megatron.core import parallel_state
 
     from megatron_slmoe.platform import apply_adaptor
-    from megatron_slmoe.data.assets import asset_path
     from megatron_slmoe.data.errors import DataError
-    from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.data.tokenizer import load_tokenizer, tokenizer_source
     from megatron_slmoe.inference import SamplingConfig, TextGenerator
-    from megatron_slmoe.training.evaluation import answer, exact_match, request_for
+    from megatron_slmoe.data.scoring import exact_match
+    from megatron_slmoe.training.evaluation import answer, request_for
     from megatron_slmoe.utils.atomic import write_text_atomic
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     _check_args(args, world_size)
     try:
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        tokenizer = load_tokenizer(args.tokenizer or asset_path("tokenizer.json"))
+        tokenizer = load_tokenizer(tokenizer_source(args.tokenizer))
     except (ValueError, DataError) as err:
         raise BadInput(str(err)) from None
     conversations = read_prompts(args.prompts)

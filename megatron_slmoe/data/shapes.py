@@ -128,13 +128,14 @@ def question_kind(prompt: str) -> str:
 def score_answers(path: str) -> Dict[str, Tuple[int, int]]:
     """(correct, total) exact-match answers by question kind, and ``all``, of a run's answers
     file (``answers_after_training.jsonl``: prompt, answer, reference per line)."""
+    from megatron_slmoe.data.scoring import exact_match
     from megatron_slmoe.utils.jsonl import numbered_records
 
     scores = {kind: [0, 0] for kind in (*QUESTION_KINDS, "all")}
     for number, row in numbered_records(path):
         if isinstance(row, ValueError) or not isinstance(row, dict):
             raise ValueError(f"line {number}: not a JSON object")
-        hit = int(row["answer"].strip() == row["reference"].strip())
+        hit = int(exact_match(row["answer"], row["reference"]))
         for kind in (question_kind(row["prompt"]), "all"):
             scores[kind][0] += hit
             scores[kind][1] += 1

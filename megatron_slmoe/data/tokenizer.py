@@ -201,6 +201,22 @@ def _backend(path: str):
         raise DataError(f"not a valid tokenizer.json: {path} ({reason})") from None
 
 
+SHIPPED_TOKENIZER = "tokenizer.json"
+"""The shipped tokenizer (a data asset): the demo's, and every run's without another."""
+
+
+def tokenizer_source(tokenizer: Optional[str], hf_checkpoint: Optional[str] = None) -> str:
+    """The tokenizer a run or command uses: ``--tokenizer``, else the ``--hf-checkpoint``
+    directory's, else the shipped one. The one place this rule lives."""
+    if tokenizer:
+        return tokenizer
+    if hf_checkpoint:
+        return hf_checkpoint
+    from megatron_slmoe.data.assets import asset_path
+
+    return asset_path(SHIPPED_TOKENIZER)
+
+
 def load_tokenizer(path: str) -> Tokenizer:
     """Load a ``tokenizer.json`` (Hugging Face ``tokenizers`` format) from a local path, or a
     Hugging Face checkpoint directory (see :func:`load_hf_tokenizer`).

@@ -25,15 +25,11 @@ import logging
 import os
 
 from megatron_slmoe.config.errors import ConfigError
-from megatron_slmoe.training.config import RunConfig
+from megatron_slmoe.training.config import RunConfig, RunFinished
 from megatron_slmoe.model.model_file import load_model_config
 from megatron_slmoe.storage.urls import is_object_url
 
 log = logging.getLogger(__name__)
-
-
-class RunFinished(Exception):
-    """The run in --output-dir has trained all its steps: nothing to do (not an error)."""
 
 
 def check_inputs(run: RunConfig, world_size: int, platform) -> None:
@@ -52,14 +48,6 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     _check_output_dir(run, platform)
     _check_memory(run, world_size, platform, model_config)
     _check_base_model(run)  # last: a run with a specific problem hears of that one first
-
-
-def tokenizer_path(run: RunConfig) -> str:
-    """The run's tokenizer: --tokenizer, else the --hf-checkpoint directory's, else the shipped
-    one."""
-    from megatron_slmoe.data.assets import asset_path
-
-    return run.data.tokenizer or run.model.hf_checkpoint or asset_path("tokenizer.json")
 
 
 def _check_paths(run: RunConfig) -> None:
@@ -173,15 +161,16 @@ def _check_model_fits_run(run: RunConfig, model_config) -> None:
 
 
 def _check_tokenizer(run: RunConfig, model_config):
-    """The run's tokenizer (``tokenizer_path``, through the node cache if it is an object),
-    checked against the sequence length and vocabulary of the model."""
+    """The run's tokenizer (``data.tokenizer.tokenizer_source``, through the node cache if it is
+    an object), checked against the sequence length and vocabulary of the model."""
     from megatron_slmoe.data.errors import DataError
-    from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.data.tokenizer import load_tokenizer, tokenizer_source
     from megatron_slmoe.storage import Storage, StorageError
 
     data = run.data
     try:
-        tokenizer = load_tokenizer(Storage(run.storage).local_file(tokenizer_path(run)))
+        source = tokenizer_source(data.tokenizer, run.model.hf_checkpoint)
+        tokenizer = load_tokenizer(Storage(run.storage).local_file(source))
     except (DataError, StorageError) as err:
         flag = "--tokenizer" if data.tokenizer or not run.model.hf_checkpoint else \
             "--hf-checkpoint (its tokenizer; or pass --tokenizer)"
