@@ -9,7 +9,7 @@ Modules:
     assets       paths of the shipped assets
 
 Object storage (S3/MinIO/OBS, msc profiles) and the node-local cache are ``megatron_slmoe.storage``
-(it serves checkpoints and outputs too); ``training/data_sources.py`` resolves data URLs through it.
+(it serves checkpoints and outputs too); ``training/tasks/text.py`` resolves data URLs through it.
 Nothing in this package downloads at run time. The settings are ``data.config`` (torch-free);
 import from the modules themselves: the package imports nothing.
 """

@@ -453,8 +453,6 @@ class ImageTextDataset(torch.utils.data.Dataset):
     def generation_examples(self, limit: Optional[int] = None):
         """(GenerationPrompt, reference answer) of the good records in split order, up to
         ``limit``: the last assistant turn is the answer to generate."""
-        from megatron_slmoe.training.image_text import GenerationPrompt
-
         examples = []
         for record in range(self.records):
             if limit is not None and len(examples) >= limit:
@@ -472,6 +470,17 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 continue
             examples.append((GenerationPrompt(prompt, pixels, counts), answer))
         return examples
+
+
+@dataclass
+class GenerationPrompt:
+    """One prompt to answer: ``tokens`` (ids with image placeholders, ending in the assistant
+    role token), its ``images`` [tiles, 3, H, W] and ``num_image_tiles`` [images]."""
+
+    tokens: List[int]
+    images: torch.Tensor
+    num_image_tiles: torch.Tensor
+
 
 
 def collate_image_text(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:

@@ -23,6 +23,11 @@ from megatron_slmoe.parallel.config import ParallelConfig
 from megatron_slmoe.storage.config import StorageConfig, check_locations
 
 
+class RunFinished(Exception):
+    """The run in --output-dir has trained all its steps: nothing to do (not an error; the
+    entry point exits 0, or 3 under --validate-only so that a launcher starts nothing)."""
+
+
 @dataclass(frozen=True)
 class OptimizerConfig(Section):
     """Adam and the learning-rate schedule (Megatron-Core's optimizer and scheduler)."""

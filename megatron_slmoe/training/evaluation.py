@@ -1,5 +1,5 @@
 """Task accuracy by generation: the model answers held-out instruction prompts greedily and an
-answer counts when it equals the reference exactly (surrounding whitespace aside).
+answer counts when it equals the reference exactly (``data.scoring.exact_match``).
 
 The held-out loss says how likely the reference answers are; exact match says whether the model,
 left to itself, gives them, which is what a user of the fine-tuned model sees. The prompts are
@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_slmoe.data.instruction import Message, build_generation_prompt, split_for_generation
+from megatron_slmoe.data.scoring import exact_match
 from megatron_slmoe.data.tokenizer import Tokenizer
 
 ANSWER_SLACK_TOKENS = 4
@@ -30,10 +31,6 @@ class Request:
     prompt_ids: list[int]
     reference: Optional[str]
     max_new_tokens: int
-
-
-def exact_match(answer: str, reference: str) -> bool:
-    return answer.strip() == reference.strip()
 
 
 def request_for(tokenizer: Tokenizer, messages: Sequence[Message],
@@ -62,33 +59,47 @@ def answer(generator, tokenizer: Tokenizer, requests: Sequence[Request], samplin
     return [tokenizer.decode(t) for t in tokens]
 
 
+def share_of(count: int, dp_rank: int, dp_size: int) -> range:
+    """This data-parallel rank's contiguous share of ``count`` held-out prompts (the last share
+    may be shorter, or empty)."""
+    per_rank = -(-count // dp_size)
+    first = min(dp_rank * per_rank, count)
+    return range(first, min(first + per_rank, count))
+
+
+def gather_answers(rows: list, correct: int, device: torch.device) -> tuple[float, list]:
+    """(accuracy, every rank's rows in rank order) over the data-parallel group; collective."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    everyone = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(everyone, (correct, rows), group=group)
+    total = sum(len(r) for _, r in everyone)
+    return (sum(c for c, _ in everyone) / max(total, 1),
+            [row for _, rows_of_rank in everyone for row in rows_of_rank])
+
+
 class TaskEvaluator:
     """Exact-match accuracy of the model's greedy answers on the first ``samples`` conversations
-    of a held-out set, each data-parallel replica answering its share.
-
-    ``accuracy(model)`` is collective over all ranks and returns the same number on every rank.
-    """
+    of a held-out set, each data-parallel replica answering its share."""
 
     def __init__(self, conversations: Sequence[Sequence[Message]], tokenizer: Tokenizer,
-                 samples: int, dp_rank: int, dp_size: int, max_batch_size: int = 64) -> None:
-        requests = [request_for(tokenizer, m) for m in conversations[:samples]]
-        share = -(-len(requests) // dp_size)  # contiguous shares, the last may be shorter
-        self.first = min(dp_rank * share, len(requests))
-        self.requests = requests[self.first:self.first + share]
-        self.total = len(requests)
+                 samples: int, max_batch_size: int = 64) -> None:
+        self.requests = [request_for(tokenizer, m) for m in conversations[:samples]]
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
 
-    def accuracy(self, model) -> float:
-        from megatron.core import parallel_state
-
+    def evaluate(self, model, dp_rank: int, dp_size: int) -> tuple[float, list]:
+        """(accuracy, every (prompt, answer, reference)); collective over all ranks, the same
+        on every rank."""
         from megatron_slmoe.inference.generator import TextGenerator
 
+        mine = share_of(len(self.requests), dp_rank, dp_size)
+        requests = [self.requests[i] for i in mine]
         generator = TextGenerator(model, self.tokenizer.eos_id, self.tokenizer.vocab_size,
                                   max_batch_size=self.max_batch_size)
-        answers = answer(generator, self.tokenizer, self.requests, first_index=self.first)
-        correct = sum(exact_match(a, r.reference) for a, r in zip(answers, self.requests))
-        device = next(generator.module.parameters()).device
-        counts = torch.tensor([correct], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-        return counts.item() / max(self.total, 1)
+        answers = answer(generator, self.tokenizer, requests, first_index=mine.start)
+        rows = [(self.tokenizer.decode(r.prompt_ids), a, r.reference)
+                for r, a in zip(requests, answers)]
+        correct = sum(exact_match(a, r.reference) for a, r in zip(answers, requests))
+        return gather_answers(rows, correct, generator.device)

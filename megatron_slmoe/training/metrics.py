@@ -28,9 +28,19 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
+class NoRecords:
+    """The record sink of the ranks that do not write (all but rank 0)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsWriter:
-    """Appends one JSON object per record to ``metrics.jsonl`` and mirrors the scalar fields to
-    TensorBoard. Only the writing rank constructs one.
+    """The run's record sink: appends one JSON object per record to ``metrics.jsonl`` and mirrors
+    the scalar fields to TensorBoard. Only the writing rank constructs one.
 
     A run that starts at ``start_iteration`` (resumed from a checkpoint, or from scratch in a
     directory an earlier attempt wrote to) first drops the records of later iterations, which

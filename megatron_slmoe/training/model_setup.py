@@ -18,6 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.model.config import ModelSection
 from megatron_slmoe.moe.config import MoERunConfig
 from megatron_slmoe.parallel.config import ParallelConfig
@@ -111,18 +112,33 @@ def build_model(model_config: ModelConfig, parallel: ParallelConfig, bf16: bool,
     return model, config
 
 
-def load_base_weights(model, model_section: ModelSection, hf=None) -> None:
+def load_base_weights(model, model_section: ModelSection, hf=None, storage=None) -> None:
     """The base weights the run names: a Megatron dist checkpoint (``--base-checkpoint``, in
-    whatever layout it was saved), or a Hugging Face checkpoint (``--hf-checkpoint``; ``hf`` is
-    its ``open_model``), each rank reading only its own slices. Nothing to do without either."""
+    whatever layout it was saved; a stored one is read from the node's copy through
+    ``storage``), or a Hugging Face checkpoint (``--hf-checkpoint``; ``hf`` is its
+    ``open_model``), each rank reading only its own slices. Nothing to do without either."""
     if model_section.hf_checkpoint:
         from megatron_slmoe.hf import load_hf_weights
 
         load_hf_weights([model], model_section.hf_checkpoint, hf,
                         unmap_after_bytes=model_section.hf_unmap_mib * 2**20)
     elif model_section.base_checkpoint:
-        state = dist_checkpointing.load(model.sharded_state_dict(), model_section.base_checkpoint)
+        directory = model_section.base_checkpoint
+        if storage is not None:
+            directory = storage.local_dir(directory)
+        state = dist_checkpointing.load(model.sharded_state_dict(), directory)
         model.load_state_dict(state, strict=True)
+
+
+def add_lora(model, lora: LoRAConfig, adapter_init: Optional[str] = None, storage=None) -> None:
+    """LoRA adapters on the run's targets, starting from ``adapter_init`` (an adapter directory;
+    a stored one through ``storage``) or from zero."""
+    from megatron_slmoe.lora.adapter import load_adapter
+    from megatron_slmoe.lora.inject import inject_lora
+
+    inject_lora([model], lora)
+    if adapter_init:
+        load_adapter([model], storage.local_dir(adapter_init) if storage else adapter_init)
 
 
 def wrap_and_optimize(model, config, optimizer: OptimizerConfig, schedule: ScheduleConfig,

@@ -36,7 +36,6 @@ class StepTimes:
         self.device = device
         self.nodes = nodes  # node name by global rank
         self._busy: list[float] = []
-        self._start = 0.0
         self._wait = 0.0
 
     def timed_grad_sync(self, finalize_model_grads):
@@ -53,10 +52,11 @@ class StepTimes:
         return timed
 
     def step_started(self) -> None:
-        self._start, self._wait = time.perf_counter(), 0.0
+        self._wait = 0.0
 
-    def step_finished(self) -> None:
-        self._busy.append(max(time.perf_counter() - self._start - self._wait, 0.0))
+    def step_finished(self, step_s: float) -> None:
+        """The step took ``step_s`` seconds of wall time, its wait at the reduction included."""
+        self._busy.append(max(step_s - self._wait, 0.0))
 
     def compare(self) -> Optional[dict[str, Any]]:
         """Gather the interval's compute times of every rank (collective), name the stragglers,

@@ -165,20 +165,21 @@ def test_killed_rank_restarts_in_job_and_reproduces_losses(start, single_rank):
 
 def frozen_base_run(args: list[str]) -> dict:
     """Train a few steps in-process; report what changed and what the optimizer holds."""
-    from megatron_slmoe.training.finetune import Trainer, parse
+    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.finetune import parse
 
     import megatron_slmoe
 
-    trainer = Trainer(parse(args).run, megatron_slmoe.PLATFORM)
-    trainer.setup()
-    named = dict(trainer.model.named_parameters())
+    engine = Engine(parse(args).run, megatron_slmoe.PLATFORM)
+    ctx = engine.setup()
+    named = dict(ctx.model.named_parameters())
     lora = {n for n in named if "lora" in n}
     base_before = {n: p.detach().clone() for n, p in named.items() if n not in lora}
     lora_before = {n: named[n].detach().clone() for n in lora}
-    for step in range(3):
-        trainer.train_step(step * 8)
+    for _ in range(3):
+        engine.train_step()
     # fp32: Megatron's optimizer steps the model parameters themselves.
-    optimizer_params = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    optimizer_params = {id(p) for group in ctx.optimizer.param_groups for p in group["params"]}
     return {
         "lora": sorted(lora),
         "base_changed": [n for n, b in base_before.items() if not torch.equal(named[n], b)],

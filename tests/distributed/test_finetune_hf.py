@@ -45,17 +45,16 @@ def checkpoint(tmp_path_factory):
 
 
 def finetune_steps(args: list[str]) -> dict:
-    """The entry point's trainer, in-process: set-up, held-out loss, ITERS steps, held-out loss."""
+    """The entry point's engine, in-process: set-up, held-out loss, ITERS steps, held-out loss."""
     import megatron_slmoe
-    from megatron_slmoe.training.finetune import Trainer, parse
+    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.finetune import parse
 
-    trainer = Trainer(parse(args).run, megatron_slmoe.PLATFORM)
-    trainer.setup()
-    eval_before = trainer.evaluate()
-    losses = [trainer.train_step(step * GLOBAL_BATCH)[0] for step in range(ITERS)]
-    eval_after = trainer.evaluate()
-    if trainer.writer:
-        trainer.writer.close()
+    engine = Engine(parse(args).run, megatron_slmoe.PLATFORM)
+    engine.setup()
+    eval_before = engine.evaluate()
+    losses = [engine.train_step()["loss"] for _ in range(ITERS)]
+    eval_after = engine.evaluate()
     return {"eval_before": eval_before, "losses": losses, "eval_after": eval_after}
 
 

@@ -58,29 +58,26 @@ def _tp_replica_spread(model) -> float:
 
 
 def finetune_and_export(args: list[str], steps: int = ITERS):
-    """The entry point's trainer: set-up, ``steps`` steps, the model's logits, then its end-of-run
-    adapter save and --export-hf (what ``_finish`` does before it tears the process group down)."""
+    """The entry point's engine: set-up, ``steps`` steps, the model's logits, then its end-of-run
+    adapter save and --export-hf (the adapter callback's part of the run's finish)."""
     import megatron_slmoe
     from megatron_slmoe.hf.loader import open_hf_checkpoint
     from megatron_slmoe.hf.megatron_export import export_megatron_weights
-    from megatron_slmoe.lora.adapter import save_adapter
     from megatron_slmoe.lora.inject import unwrap_chunks
-    from megatron_slmoe.training.finetune import Trainer, parse
+    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.finetune import parse
 
-    trainer = Trainer(parse(args).run, megatron_slmoe.PLATFORM)
-    trainer.setup()
-    grad_norms = [trainer.train_step(step * GLOBAL_BATCH)[1] for step in range(steps)]
-    logits = hf_models.megatron_logits(trainer.model, hf_models.tokens(seq=16))
-    adapter_dir = f"{trainer.output_dir}/adapter"
-    save_adapter([trainer.model], adapter_dir, trainer.lora_config)
-    trainer._export_hf(adapter_dir)
-    hf = open_hf_checkpoint(trainer.run_config.model.hf_checkpoint, check_shapes=False)
-    export_megatron_weights(unwrap_chunks(trainer.model), hf, f"{trainer.output_dir}/base-hf",
+    engine = Engine(parse(args).run, megatron_slmoe.PLATFORM)
+    ctx = engine.setup()
+    grad_norms = [engine.train_step()["grad_norm"] for _ in range(steps)]
+    logits = hf_models.megatron_logits(ctx.model, hf_models.tokens(seq=16))
+    adapter = next(c for c in engine.callbacks if c.name == "adapter")
+    adapter.finish(ctx, {})
+    hf = open_hf_checkpoint(engine.run_config.model.hf_checkpoint, check_shapes=False)
+    export_megatron_weights(unwrap_chunks(ctx.model), hf, f"{ctx.output_dir}/base-hf",
                             max_shard_bytes=64 * 2**10)
-    if trainer.writer:
-        trainer.writer.close()
-    return {"logits": logits, "grad_norms": grad_norms, "spread": _tp_replica_spread(trainer.model),
-            "rank": trainer.run_config.lora.rank}
+    return {"logits": logits, "grad_norms": grad_norms, "spread": _tp_replica_spread(ctx.model),
+            "rank": engine.run_config.lora.rank}
 
 
 def _peft_adapter(family, directory):

@@ -1,4 +1,4 @@
-"""An image-text LoRA run of the entry point's trainer (Trainer.run on 2 pool ranks, EP 2) on an
+"""An image-text LoRA run of the entry point's trainer (Engine.run on 2 pool ranks, EP 2) on an
 energon dataset with bad records in its shards: the run finishes, names each bad record with its
 shard and key in the log, counts them in metrics.jsonl and summary.json (each distinct record
 once, whichever rank met it), and reports the held-out loss and answer accuracy before and after
@@ -47,11 +47,12 @@ def _dataset(root: Path) -> Path:
 
 
 def run_entry_point(args: list[str]) -> list[str]:
-    """The entry point's whole run (Trainer.run), in-process on a pool rank; its log lines."""
+    """The entry point's whole run (Engine.run), in-process on a pool rank; its log lines."""
     import logging
 
     import megatron_slmoe
-    from megatron_slmoe.training.finetune import Trainer, parse
+    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.finetune import parse
 
     lines: list[str] = []
 
@@ -64,7 +65,7 @@ def run_entry_point(args: list[str]) -> list[str]:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        assert Trainer(parse(args).run, megatron_slmoe.PLATFORM).run() == 0
+        assert Engine(parse(args).run, megatron_slmoe.PLATFORM).run() == 0
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -104,7 +104,7 @@ def _train_step(ddp, optimizer, step: int, want_grads: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_slmoe.training.image_text import forward_step
+    from megatron_slmoe.training.tasks.image_text import forward_step
 
     ddp.zero_grad_buffer()
     optimizer.zero_grad()

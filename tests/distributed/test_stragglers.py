@@ -23,10 +23,11 @@ def _steps(threshold: float) -> dict:
     grad_sync = times.timed_grad_sync(lambda: torch.distributed.all_reduce(torch.ones(1)))
     rank = torch.distributed.get_rank()
     for _ in range(STEPS):
+        started = time.perf_counter()
         times.step_started()
         time.sleep(SLOW_S if rank == 1 else FAST_S)  # "compute"
         grad_sync()  # rank 0 waits here for rank 1
-        times.step_finished()
+        times.step_finished(time.perf_counter() - started)
     return times.compare()
 
 

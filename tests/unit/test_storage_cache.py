@@ -186,7 +186,7 @@ profiles:
 
 
 def test_data_settings_resolve_to_local_files_in_key_order(s3_server, bucket, tmp_path):
-    """What training/data_sources.py asks of a data setting: an object, a prefix of JSONL shards,
+    """What training/tasks/text.py asks of a data setting: an object, a prefix of JSONL shards,
     an indexed-dataset prefix (its .idx and .bin) or a prefix of several; what the trainer asks
     of --base-checkpoint / --adapter-init: a directory; local paths pass."""
     objects = {"jsonl/b.jsonl": b"b\n", "jsonl/a.jsonl": b"a\n", "jsonl/notes.txt": b"-",

@@ -63,15 +63,15 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _held_by_training_state(trainer) -> int:
+def _held_by_training_state(ctx) -> int:
     """Bytes of parameters, buffers, DDP buffers and optimizer state (the counted statics)."""
     import torch
 
-    tensors = list(trainer.model.parameters()) + list(trainer.model.buffers())
-    for buffer in (getattr(trainer.ddp, "buffers", []) +
-                   getattr(trainer.ddp, "expert_parallel_buffers", [])):
+    tensors = list(ctx.model.parameters()) + list(ctx.model.buffers())
+    for buffer in (getattr(ctx.ddp, "buffers", []) +
+                   getattr(ctx.ddp, "expert_parallel_buffers", [])):
         tensors += [buffer.grad_data, buffer.param_data]
-    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+    for opt in getattr(ctx.optimizer, "chained_optimizers", [ctx.optimizer]):
         inner = opt.optimizer
         for group in inner.param_groups:
             tensors += list(group["params"])
@@ -81,34 +81,36 @@ def _held_by_training_state(trainer) -> int:
 
 
 def worker(out_dir: str, argv: list[str]) -> None:
+    """The entry point's run on this rank, its engine's steps measured (an Engine whose
+    ``train_step`` records the live bytes before and the peak during each step)."""
     from megatron_slmoe.plan.live_bytes import LiveTensorBytes
 
     live = LiveTensorBytes()
     live.__enter__()  # before anything allocates
     import torch
 
-    from megatron_slmoe.training import finetune
+    from megatron_slmoe.training import engine, finetune
 
     steps: list[dict] = []
-    train_step = finetune.Trainer.train_step
 
-    def measured_step(self, consumed):
-        before = live.current
-        held = _held_by_training_state(self) if len(steps) == 1 else None
-        live.reset_peak()
-        result = train_step(self, consumed)
-        steps.append({"before": before, "peak": live.peak, "held_by_state": held})
-        if len(steps) == self.run_config.schedule.train_iters:
-            # Stop here: the end-of-run checkpoint and evaluation are not training steps.
-            torch.distributed.barrier()
-            rank = torch.distributed.get_rank()
-            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                json.dump({"steps": steps}, f)
-            torch.distributed.barrier()
-            os._exit(0)
-        return result
+    class MeasuredEngine(engine.Engine):
+        def train_step(self):
+            before = live.current
+            held = _held_by_training_state(self.ctx) if len(steps) == 1 else None
+            live.reset_peak()
+            record = super().train_step()
+            steps.append({"before": before, "peak": live.peak, "held_by_state": held})
+            if len(steps) == self.run_config.schedule.train_iters:
+                # Stop here: the end-of-run checkpoint and evaluation are not training steps.
+                torch.distributed.barrier()
+                rank = torch.distributed.get_rank()
+                with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                    json.dump({"steps": steps}, f)
+                torch.distributed.barrier()
+                os._exit(0)
+            return record
 
-    finetune.Trainer.train_step = measured_step
+    engine.Engine = MeasuredEngine  # what finetune.main builds
     finetune.main(argv)
 
 

@@ -1,5 +1,7 @@
-"""Image-text steps on Megatron-Core's schedules: the forward step of the multimodal model, greedy
-answer generation and exact-match accuracy (function level; the trainer wires them in).
+"""The image-text task (``--task image-text``): the multimodal model (vision tower, projector and
+the Stable Latent MoE language model in Megatron-Core's LLaVAModel), energon image-text data (the
+shapes task by default), its forward step on Megatron-Core's schedules and greedy answers to
+held-out questions.
 
 A micro-batch is what :func:`megatron_slmoe.data.image_text.collate_image_text` makes: ``tokens``,
 ``labels``, ``loss_mask`` [b, S] in text positions with ``image_token_index`` where images go,
@@ -17,29 +19,30 @@ tokens between them), padding its share of prompts where needed.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import partial
-from typing import Iterable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
+from megatron_slmoe.data.config import DataConfig, ImageTextConfig
 from megatron_slmoe.data.image import ImagePreprocessConfig
-
-
-def _to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device) for k, v in batch.items()}
+from megatron_slmoe.data.image_text import GenerationPrompt
+from megatron_slmoe.data.scoring import exact_match
+from megatron_slmoe.model.config import VisionConfig
+from megatron_slmoe.training.callbacks.base import Callback, RunContext
+from megatron_slmoe.training.config import ScheduleConfig
+from megatron_slmoe.training.evaluation import gather_answers, share_of
+from megatron_slmoe.training.tasks.base import Answers, Task, masked_mean_loss, to_device
 
 
 def forward_step(device: torch.device, data_iterator, model):
     """Megatron ``forward_step_func`` for image-text micro-batches (bind ``device`` with partial):
     the model's per-token loss and the masked-mean loss function over the combined sequence."""
-    from megatron_slmoe.training.finetune import _masked_mean_loss
-
-    batch = _to(next(data_iterator), device)
+    batch = to_device(next(data_iterator), device)
     output, loss_mask = model(batch["images"], batch["tokens"], None, None,
                               labels=batch["labels"], loss_mask=batch["loss_mask"],
                               num_image_tiles=batch["num_image_tiles"])
-    return output, partial(_masked_mean_loss, loss_mask)
+    return output, partial(masked_mean_loss, loss_mask)
 
 
 def combined_positions(tokens_BT: torch.Tensor, num_image_tiles: torch.Tensor,
@@ -50,16 +53,6 @@ def combined_positions(tokens_BT: torch.Tensor, num_image_tiles: torch.Tensor,
     widths = torch.ones_like(tokens_BT)
     widths[is_image] = num_image_tiles.to(tokens_BT.dtype) * tokens_per_tile
     return torch.cumsum(widths, dim=1) - widths  # start of each text position
-
-
-@dataclass
-class GenerationPrompt:
-    """One prompt to answer: ``tokens`` (ids with image placeholders, ending in the assistant
-    role token), its ``images`` [tiles, 3, H, W] and ``num_image_tiles`` [images]."""
-
-    tokens: List[int]
-    images: torch.Tensor
-    num_image_tiles: torch.Tensor
 
 
 def _prompt_batch(prompts: Sequence[GenerationPrompt], generated: Sequence[List[int]],
@@ -76,7 +69,7 @@ def _prompt_batch(prompts: Sequence[GenerationPrompt], generated: Sequence[List[
 
 
 def _next_token_step(device, image_token_index: int, tokens_per_tile: int, data_iterator, model):
-    batch = _to(next(data_iterator), device)
+    batch = to_device(next(data_iterator), device)
     logits, _ = model(batch["images"], batch["tokens"], None, None,
                       num_image_tiles=batch["num_image_tiles"], runtime_gather_output=True)
 
@@ -136,58 +129,41 @@ def greedy_generate(model, prompts: Sequence[GenerationPrompt], *, max_new_token
     return generated[:len(prompts)]
 
 
-def exact_match_accuracy(answers: Iterable[str], references: Iterable[str]) -> tuple[int, int]:
-    """(correct, total) of answers equal to their references after stripping whitespace."""
-    pairs = list(zip(answers, references, strict=True))
-    return sum(a.strip() == r.strip() for a, r in pairs), len(pairs)
-
-
-def all_reduce_counts(correct: int, total: int, device: torch.device) -> tuple[int, int]:
-    """Sum (correct, total) over the data-parallel ranks."""
-    from megatron.core import parallel_state
-
-    counts = torch.tensor([correct, total], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-    return int(counts[0]), int(counts[1])
-
-
-
-# --- the image-text task of a run ------------------------------------------------------------------
-
-
-def preprocess_config(vision, image_text) -> ImagePreprocessConfig:
+def preprocess_config(vision: VisionConfig, image_text: ImageTextConfig) -> ImagePreprocessConfig:
     """How a run's images become tower input (the ``vision`` and ``image_text`` sections)."""
     return ImagePreprocessConfig(img_h=vision.img_h, img_w=vision.img_w,
                                  max_tiles=image_text.max_tiles, thumbnail=image_text.thumbnail,
                                  mean=tuple(image_text.image_mean), std=tuple(image_text.image_std))
 
 
-class ImageTextTask:
-    """What the trainer needs for ``--task image-text``: the multimodal model, the energon
-    datasets (the shapes task by default), micro-batch collation, the forward step, and the
-    held-out answer accuracy. It reads the run's ``data``, ``vision`` and ``image_text``
-    sections (and the schedule's batch sizes)."""
+class ImageTextTask(Task):
+    """Its sections: ``data``, ``vision``, ``image_text``, the schedule (seed, samples) and the
+    fine-tuning mode (a full fine-tune freezes the tower unless ``--train-vision-tower``)."""
 
-    def __init__(self, run) -> None:
-        self.run = run
-        self.vision, self.settings = run.vision, run.image_text
+    name = "image-text"
+    score_every_evaluation = False  # answers are generated without a KV cache: slow
 
-    def build_model(self, model_config, config, pre_process: bool, post_process: bool):
-        """This rank's multimodal model, its vision tower frozen in a full fine-tune unless
-        ``--train-vision-tower``."""
+    def __init__(self, data: DataConfig, vision: VisionConfig, image_text: ImageTextConfig,
+                 schedule: ScheduleConfig, finetune_mode: str) -> None:
+        self.data, self.vision, self.settings = data, vision, image_text
+        self.schedule, self.finetune_mode = schedule, finetune_mode
+        self.train = self.valid = self.tokenizer = None
+
+    def build_model(self, model_config, transformer_config, pre_process: bool,
+                    post_process: bool):
         from megatron_slmoe.model.multimodal import build_multimodal_model
 
-        model = build_multimodal_model(model_config, config, self.vision,
-                                       seq_length=self.run.data.seq_length,
+        model = build_multimodal_model(model_config, transformer_config, self.vision,
+                                       seq_length=self.data.seq_length,
                                        pre_process=pre_process, post_process=post_process)
-        if self.run.model.finetune_mode == "full" and not self.settings.train_vision_tower:
+        if self.finetune_mode == "full" and not self.settings.train_vision_tower:
             model.freeze(freeze_language_model=False, freeze_vision_model=True,
                          freeze_vision_projection=False)
         return model
 
-    def load_vision_tower(self, model) -> None:
-        """The tower's weights from ``--vision-checkpoint`` (after the base weights), if given;
-        a pipeline stage without the tower has nothing to load."""
+    def after_base_weights(self, model) -> None:
+        """The tower's weights from ``--vision-checkpoint``, if given; a pipeline stage without
+        the tower has nothing to load."""
         if self.vision.checkpoint:
             from megatron_slmoe.model.hf_vision import load_hf_vision_tower
 
@@ -198,7 +174,7 @@ class ImageTextTask:
         in the run's folder (captions for ``--data-format pretrain``, else questions)."""
         from megatron_slmoe.data.shapes import ensure_shapes_task
 
-        data = self.run.data
+        data = self.data
         if data.train_data:
             return data.train_data, data.valid_data or data.train_data
         folder = os.path.join(output_dir, "data", "shapes")
@@ -209,15 +185,13 @@ class ImageTextTask:
         path = os.path.join(folder, name)
         return path, path
 
-    def datasets(self, model_config, output_dir: str):
-        """(train, valid, tokenizer); collective (the default data is made on rank 0)."""
-        from megatron_slmoe.data.assets import asset_path
+    def datasets(self, storage, model_config, output_dir: str):
         from megatron_slmoe.data.errors import DataError
         from megatron_slmoe.data.image_text import ImageTextDataset
-        from megatron_slmoe.data.tokenizer import load_tokenizer
+        from megatron_slmoe.data.tokenizer import load_tokenizer, tokenizer_source
 
-        data, schedule = self.run.data, self.run.schedule
-        tokenizer = load_tokenizer(data.tokenizer or asset_path("tokenizer.json"))
+        data, schedule = self.data, self.schedule
+        tokenizer = load_tokenizer(storage.local_file(tokenizer_source(data.tokenizer)))
         if tokenizer.vocab_size > model_config.vocab_size:
             raise DataError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
                             f"model's vocab_size {model_config.vocab_size}")
@@ -233,55 +207,71 @@ class ImageTextTask:
         self.train, self.valid, self.tokenizer = train, valid, tokenizer
         return train, valid, tokenizer
 
-    @staticmethod
-    def collate(samples):
+    def collate(self, samples: list) -> dict:
         from megatron_slmoe.data.image_text import collate_image_text
 
         return collate_image_text(samples)
 
-    def answer_accuracy(self, model, micro_batch_size: int, device: torch.device):
-        """Exact-match accuracy of greedy answers to the first ``eval_answers`` held-out prompts
-        (None when switched off or for captioning data), and every (prompt, answer, reference)
-        of the data-parallel ranks together, in split order; collective."""
-        from megatron.core import parallel_state
+    def forward_step(self, device: torch.device, data_iterator, model):
+        return forward_step(device, data_iterator, model)
 
+    def answers(self, ctx: RunContext) -> Optional[Answers]:
+        """Greedy answers to the first ``eval_answers`` held-out questions (None when switched
+        off or for captioning data: a caption is no single answer to match)."""
         limit = self.settings.eval_answers
-        if limit == 0 or self.valid.captioning:  # a caption is no single answer to match
-            return None, []
+        if limit == 0 or self.valid.captioning:
+            return None
         examples = self.valid.generation_examples(limit)
         if not examples:
-            return None, []
-        dp, rank = (parallel_state.get_data_parallel_world_size(),
-                    parallel_state.get_data_parallel_rank())
-        per_rank = -(-len(examples) // dp)
-        mine = examples[rank * per_rank:(rank + 1) * per_rank]
+            return None
+        share = share_of(len(examples), ctx.dp_rank, ctx.dp_size)
+        mine = [examples[i] for i in share]
         tokenizer = self.tokenizer
-        longest = max(len(tokenizer.encode(answer)) for _, answer in examples)
-        was_training = model.training
-        model.eval()
+        longest = max(len(tokenizer.encode(reference)) for _, reference in examples)
+        was_training = ctx.ddp.training
+        ctx.ddp.eval()
         with torch.no_grad():
             generated = greedy_generate(
-                model, [p for p, _ in mine] or [examples[0][0]],
+                ctx.ddp, [p for p, _ in mine] or [examples[0][0]],
                 max_new_tokens=min(self.settings.max_answer_tokens, longest + 1),
-                seq_length=self.run.data.seq_length, micro_batch_size=micro_batch_size,
+                seq_length=self.data.seq_length, micro_batch_size=ctx.micro_batch_size,
                 pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
                 image_token_index=self.vision.image_token_index,
-                tokens_per_tile=self.vision.num_image_embeddings, device=device,
-                num_prompts_per_rank=per_rank)
-        model.train(was_training)
+                tokens_per_tile=self.vision.num_image_embeddings, device=ctx.device,
+                num_prompts_per_rank=len(share_of(len(examples), 0, ctx.dp_size)))
+        ctx.ddp.train(was_training)
         answers = [tokenizer.decode(ids) for ids in generated[:len(mine)]]
-        correct, total = exact_match_accuracy(answers, [a for _, a in mine])
-        correct, total = all_reduce_counts(correct, total, device)
-        ours = [(tokenizer.decode([t for t in p.tokens if t >= 0]), a, r)
-                for (p, r), a in zip(mine, answers)]
-        everyone = [None] * dp
-        torch.distributed.all_gather_object(everyone, ours,
-                                            group=parallel_state.get_data_parallel_group())
-        return correct / max(total, 1), [row for rows in everyone for row in rows]
+        rows = [(tokenizer.decode([t for t in prompt.tokens if t >= 0]), answer, reference)
+                for (prompt, reference), answer in zip(mine, answers)]
+        correct = sum(exact_match(a, r) for _, a, r in rows)
+        return Answers(*gather_answers(rows, correct, ctx.device))
 
-    def bad_samples(self) -> dict:
+    def callbacks(self) -> list[Callback]:
+        return [BadSampleCount(self)]
+
+
+class BadSampleCount(Callback):
+    """Records skipped for being bad (undecodable images, too long, ...), by reason: in the
+    progress records and the summary."""
+
+    name = "bad_samples"
+
+    def __init__(self, task: ImageTextTask) -> None:
+        self.task = task
+        self.log_interval = task.schedule.log_interval
+
+    def _counts(self) -> dict:
         """Distinct bad records skipped so far by reason, over the data-parallel ranks (train +
         held-out data); collective."""
         from megatron_slmoe.data.image_text import reduce_skip_counts
 
-        return reduce_skip_counts(self.train.stats, self.valid.stats)
+        return reduce_skip_counts(self.task.train.stats, self.task.valid.stats)
+
+    def after_step(self, ctx: RunContext, record: dict) -> None:
+        if ctx.iteration % self.log_interval == 0 or ctx.iteration == ctx.train_iters:
+            record["bad_samples"] = self._counts()
+
+    def finish(self, ctx: RunContext, summary: dict) -> None:
+        counts = self._counts()
+        summary.update(task="image-text", bad_samples=counts)
+        ctx.info(f"[finetune] bad samples skipped: {sum(counts.values())} {counts}")

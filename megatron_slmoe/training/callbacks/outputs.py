@@ -1,0 +1,77 @@
+"""What a run leaves behind besides its checkpoints: the LoRA adapter (and, with
+``--export-hf``, its PEFT form for the Hugging Face base), or with ``--save-base`` the whole
+fine-tuned model as a base for LoRA runs."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from megatron_slmoe.lora.config import LoRAConfig
+from megatron_slmoe.model.config import ModelSection
+from megatron_slmoe.training.callbacks.base import Callback, RunContext
+
+
+class AdapterExport(Callback):
+    """``<output dir>/adapter`` (layout independent: any layout can load it), recording the base
+    it adapts and the tokenizer; ``export_hf``: also a PEFT adapter of ``model.hf_checkpoint``."""
+
+    name = "adapter"
+
+    def __init__(self, lora: LoRAConfig, model: ModelSection, export_hf: Optional[str] = None,
+                 export_hf_layout: str = "per-expert") -> None:
+        self.lora, self.model = lora, model
+        self.export_hf, self.export_hf_layout = export_hf, export_hf_layout
+
+    def finish(self, ctx: RunContext, summary: dict) -> None:
+        from megatron_slmoe.lora.adapter import save_adapter
+
+        base = {"model_config": ctx.model_config.name,
+                "base_checkpoint": self.model.base_checkpoint,
+                "hf_checkpoint": self.model.hf_checkpoint,
+                "tokenizer_sha256": ctx.tokenizer.fingerprint,
+                "tokenizer_vocab_size": ctx.tokenizer.vocab_size}
+        adapter_dir = save_adapter([ctx.model], os.path.join(ctx.output_dir, "adapter"),
+                                   self.lora, base)
+        summary["adapter_dir"] = adapter_dir
+        if self.export_hf:
+            self.export_peft(ctx, adapter_dir)
+        ctx.info(f"[finetune] adapter: {adapter_dir}")
+
+    def export_peft(self, ctx: RunContext, adapter_dir: str) -> None:
+        """Rank 0 writes the saved adapter as a PEFT adapter of the HF base (no collective
+        inside: the adapter file is layout independent); every rank raises its error."""
+        from megatron_slmoe.hf.peft_export import export_peft_adapter
+
+        error = None
+        if ctx.rank == 0:
+            try:
+                export_peft_adapter(adapter_dir, self.model.hf_checkpoint, self.export_hf,
+                                    layout=self.export_hf_layout)
+                ctx.info(f"[finetune] PEFT adapter: {self.export_hf}")
+            except (OSError, ValueError) as err:
+                error = f"--export-hf {self.export_hf}: {err}"
+        status = [error]
+        torch.distributed.broadcast_object_list(status, src=0)
+        if status[0]:
+            raise RuntimeError(status[0])
+
+
+class BaseExport(Callback):
+    """``--save-base DIR``: the whole model as a Megatron dist checkpoint with its model config
+    and tokenizer (``checkpointing.save_base_checkpoint``)."""
+
+    name = "save_base"
+
+    def __init__(self, directory: str, model_file: Optional[str]) -> None:
+        self.directory, self.model_file = directory, model_file
+
+    def finish(self, ctx: RunContext, summary: dict) -> None:
+        from megatron_slmoe.training.checkpointing import save_base_checkpoint
+
+        model_file = self.model_file if self.model_file and os.path.isfile(self.model_file) \
+            else None
+        save_base_checkpoint(ctx.model, self.directory, ctx.model_config.name, ctx.tokenizer,
+                             model_file)

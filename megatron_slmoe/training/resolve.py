@@ -1,0 +1,56 @@
+"""The run as it will execute, settled once the ranks have formed their group: the output
+directory (rank 0's choice, so every rank writes into the same one), the precision of this
+platform, the tokenizer of an ``--hf-checkpoint`` (unless ``--tokenizer`` names one), and a PEFT
+``--adapter-init`` converted to our adapter format. ``config.yaml`` records the result, so
+feeding it back repeats the run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+
+from megatron_slmoe.training.config import RunConfig
+
+
+def resolve_run(run: RunConfig, platform) -> RunConfig:
+    """Collective: every rank calls it and gets the same answer."""
+    from megatron_slmoe.data.tokenizer import tokenizer_source
+    from megatron_slmoe.training.model_setup import resolve_precision
+
+    output_dir = [run.output.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
+    torch.distributed.broadcast_object_list(output_dir, src=0)
+    run = run.replace("output", output_dir=output_dir[0])
+    if run.model.hf_checkpoint and not run.data.tokenizer:
+        run = run.replace("data", tokenizer=tokenizer_source(None, run.model.hf_checkpoint))
+    run = _adapter_from_peft(run)
+    return run.replace("model", precision=resolve_precision(run.model, platform))
+
+
+def _adapter_from_peft(run: RunConfig) -> RunConfig:
+    """--adapter-init with a PEFT adapter of the --hf-checkpoint base: rank 0 converts it into
+    ``<output dir>/adapter-init`` (megatron_slmoe.hf.peft_import) and the run takes that adapter
+    and its LoRA settings (rank, alpha, targets; recorded in config.yaml)."""
+    from megatron_slmoe.hf.peft_import import is_peft_adapter, peft_to_adapter
+    from megatron_slmoe.lora.adapter import read_adapter_config
+
+    source = run.model.adapter_init
+    if not source or not is_peft_adapter(source):
+        return run
+    converted, error = os.path.join(run.output.output_dir, "adapter-init"), None
+    if torch.distributed.get_rank() == 0:
+        try:
+            if os.path.isdir(converted):  # a rerun converts afresh
+                shutil.rmtree(converted)
+            peft_to_adapter(source, run.model.hf_checkpoint, converted, dropout=run.lora.dropout)
+        except (OSError, ValueError) as err:
+            error = f"--adapter-init {source}: {err}"
+    status = [error]
+    torch.distributed.broadcast_object_list(status, src=0)
+    if status[0]:
+        raise RuntimeError(status[0])
+    lora, _ = read_adapter_config(converted)
+    run = run.replace("lora", rank=lora.rank, alpha=lora.alpha, targets=list(lora.targets))
+    return run.replace("model", adapter_init=converted)
