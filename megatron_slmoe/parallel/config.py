@@ -48,10 +48,3 @@ class ParallelConfig(Section):
                             "device_memory_gb")
         if self.recompute_modules and self.recompute_granularity != "selective":
             raise ConfigError("--recompute-modules needs --recompute-granularity selective")
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-
-    def data_parallel_size(self, world_size: int) -> int:
-        return world_size // self.model_parallel_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from megatron_slmoe.parallel.layout import layout_problem
 from megatron_slmoe.plan._sources import ModelConfig
 from megatron_slmoe.plan.devices import DeviceSpec, GiB, generic_device
 from megatron_slmoe.plan.memory import COMPONENTS
@@ -133,7 +134,7 @@ def _regrid(settings: RunSettings, **changes) -> RunSettings:
     tp, pp = changes.get("tp", settings.tp), changes.get("pp", settings.pp)
     dp = settings.world_size // (tp * pp)
     ep = settings.ep
-    while (tp * dp) % ep:
+    while layout_problem(settings.world_size, tp, pp, ep):
         ep //= 2
     return settings.replace(tp=tp, pp=pp, dp=dp, ep=ep)
 

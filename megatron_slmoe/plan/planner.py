@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from megatron_slmoe.parallel.layout import layout_problem
 from megatron_slmoe.plan.devices import DeviceSpec, GiB
 from megatron_slmoe.plan.memory import (
     MemoryEstimate,
@@ -131,11 +132,11 @@ def layouts(shape: ModelShape, device: DeviceSpec, num_devices: int, options: Pl
         if shape.heads % tp or shape.query_groups % tp or num_devices % tp:
             continue
         for pp in _divisors(shape.num_layers):
-            if num_devices % (tp * pp):
+            if layout_problem(num_devices, tp, pp, 1):
                 continue
             dp = num_devices // (tp * pp)
             for ep in _divisors(shape.experts or 1):
-                if (tp * dp) % ep:
+                if layout_problem(num_devices, tp, pp, ep):
                     continue
                 spans_nodes = ep > node
                 hierarchical = (options.hierarchical_alltoall if options.hierarchical_alltoall

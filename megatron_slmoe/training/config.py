@@ -20,6 +20,7 @@ from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.model.config import ModelSection, VisionConfig
 from megatron_slmoe.moe.config import MoERunConfig, MonitorConfig
 from megatron_slmoe.parallel.config import ParallelConfig
+from megatron_slmoe.parallel.layout import data_parallel_size
 from megatron_slmoe.storage.config import StorageConfig, check_locations
 
 
@@ -200,13 +201,7 @@ def validate_run(run: RunConfig, world_size: int) -> None:
     parallel, schedule = run.parallel, run.schedule
     tp, pp, ep = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                   parallel.expert_model_parallel_size)
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by "
-                          f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}")
-    dp = world_size // (tp * pp)
-    if (dp * tp) % ep:
-        raise ConfigError(f"--expert-model-parallel-size {ep} must divide the {dp * tp} ranks "
-                          f"of a pipeline stage (world {world_size} / PP {pp})")
+    dp = data_parallel_size(world_size, tp, pp, ep)
     if schedule.global_batch_size % (schedule.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {schedule.global_batch_size} is not a multiple of "
                           f"--micro-batch-size {schedule.micro_batch_size} x data-parallel size {dp}")
