@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
 import warnings
 
 from megatron_slmoe.commands.cli import BadInput, user_errors
+from megatron_slmoe.parallel.layout import data_parallel_size
+from megatron_slmoe.training.cli import LAYOUT_FLAGS, add_run_flags, run_section
 
 _DTYPES = ("fp32", "bf16")
 
@@ -53,12 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     imp.add_argument("--output", required=True, help="new (or empty) directory for the result")
     imp.add_argument("--dtype", choices=_DTYPES, default="fp32",
                      help="dtype of the saved weights (FP8 sources are dequantised to it)")
-    imp.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    imp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    imp.add_argument("--expert-model-parallel-size", type=int, default=1)
-    imp.add_argument("--hf-shape-check", action=argparse.BooleanOptionalAction, default=True,
-                     help="check every tensor against config.json before starting (as the "
-                          "fine-tuning entry point's --hf-shape-check)")
+    add_run_flags(imp, *LAYOUT_FLAGS, "model.hf_shape_check")
     exp = commands.add_parser("export", help="megatron_slmoe adapter -> PEFT adapter or merged "
                                              "HF checkpoint")
     exp.add_argument("--adapter", help="adapter directory written by the fine-tune (--save); "
@@ -86,9 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     weights.add_argument("--output", required=True, help="new (or empty) directory")
     weights.add_argument("--max-shard-size-mib", type=int, default=5120,
                          help="MiB per safetensors shard")
-    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                 "--expert-model-parallel-size"):
-        weights.add_argument(flag, type=int, default=1)
+    add_run_flags(weights, *LAYOUT_FLAGS)
     weights.set_defaults(hf_shape_check=False)
     imp_adapter = commands.add_parser("import-adapter", help="PEFT adapter -> megatron_slmoe "
                                                              "adapter (for --adapter-init)")
@@ -116,21 +112,16 @@ def _prepare(args):
 
     output = _check_output(args.output)
     try:
+        parallel = run_section(args, "parallel")
         hf = open_hf_checkpoint(args.hf_checkpoint, check_shapes=args.hf_shape_check)
-        tp = args.tensor_model_parallel_size
+        tp, pp, ep = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                      parallel.expert_model_parallel_size)
         hf.model_config.transformer_config(
             tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            expert_model_parallel_size=args.expert_model_parallel_size)
+            pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+        data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")), tp, pp, ep)
     except (HFCheckpointError, ConfigError) as err:
         raise BadInput(str(err)) from None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    model_parallel = tp * args.pipeline_model_parallel_size
-    if world % model_parallel or (world // args.pipeline_model_parallel_size) % \
-            args.expert_model_parallel_size:
-        raise BadInput(f"world size {world} does not fit TP {tp} x PP "
-                       f"{args.pipeline_model_parallel_size} with EP "
-                       f"{args.expert_model_parallel_size}")
     return hf, output
 
 
@@ -141,7 +132,6 @@ def _process_group(args):
     import torch
 
     from megatron_slmoe.platform import apply_adaptor
-    from megatron_slmoe.parallel.config import ParallelConfig
     from megatron_slmoe.platform.single_rank import init_single_rank
     from megatron_slmoe.training import model_setup
 
@@ -151,11 +141,9 @@ def _process_group(args):
     if "RANK" not in os.environ:  # plain `slmoe-convert-hf`: a group of one (checked in _prepare)
         init_single_rank()
     else:
-        model_setup.init_distributed(ParallelConfig(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            expert_model_parallel_size=args.expert_model_parallel_size,
-            distributed_timeout_minutes=60), 1234, apply_adaptor())
+        parallel = dataclasses.replace(run_section(args, "parallel"),
+                                       distributed_timeout_minutes=60)
+        model_setup.init_distributed(parallel, 1234, apply_adaptor())
     try:
         yield
     finally:

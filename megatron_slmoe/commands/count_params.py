@@ -19,6 +19,7 @@ import sys
 import time
 
 from megatron_slmoe.commands.cli import user_errors
+from megatron_slmoe.training.cli import add_run_flags
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.model.census import count_parameters
 from megatron_slmoe.model.model_file import load_model_config
@@ -26,9 +27,7 @@ from megatron_slmoe.model.model_file import load_model_config
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-config", required=True,
-                        help="a model YAML file, or the name of a packaged config "
-                             "(tiny, flagship_2p8t)")
+    add_run_flags(parser, "model.config", required=["model.config"])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 

@@ -33,19 +33,18 @@ from typing import Optional
 
 from megatron_slmoe.commands.cli import BadInput, user_errors
 from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.parallel.layout import layout_problem
+from megatron_slmoe.training.cli import LAYOUT_FLAGS, add_run_flags, run_section
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="slmoe-generate", description=__doc__.splitlines()[0])
     model = parser.add_argument_group("model")
-    model.add_argument("--model-config", default="tiny",
-                       help="packaged model config name or YAML file [default: tiny]")
-    model.add_argument("--base-checkpoint", required=True,
-                       help="Megatron dist checkpoint directory of the base model")
+    add_run_flags(model, "model.config", "model.base_checkpoint", required=["model.base_checkpoint"],
+                  helps={"model.base_checkpoint": "Megatron dist checkpoint directory of the base "
+                                                  "model"})
     model.add_argument("--adapter", help="LoRA adapter directory (default: the base alone)")
-    model.add_argument("--tokenizer", help="tokenizer.json (default: the shipped one)")
-    model.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                       help="auto: bf16 on GPUs/NPUs, fp32 on CPU [default: auto]")
+    add_run_flags(model, "data.tokenizer", "model.precision")
     io = parser.add_argument_group("prompts and answers")
     io.add_argument("--prompts", required=True, help="JSON lines of prompts (see above)")
     io.add_argument("--output", required=True, help="JSON lines of answers, in prompt order")
@@ -62,9 +61,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     decoding.add_argument("--no-kv-cache", action="store_true",
                           help="recompute the whole sequence at every step (a reference)")
     layout = parser.add_argument_group("parallel layout (under torchrun)")
-    layout.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    layout.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    layout.add_argument("--expert-model-parallel-size", type=int, default=1)
+    add_run_flags(layout, *LAYOUT_FLAGS)
     return parser.parse_args(argv)
 
 
@@ -104,34 +101,32 @@ def read_prompts(path: str) -> list[list[dict]]:
     return conversations
 
 
-def _check_args(args: argparse.Namespace, world_size: int) -> None:
+def _check_args(args: argparse.Namespace, world_size: int):
+    """(model section, parallel section) of the command line, checked by the run
+    configuration's own rules, and the layout against the world size."""
     for flag, path in (("--base-checkpoint", args.base_checkpoint), ("--adapter", args.adapter)):
         if path is not None and not os.path.isdir(path):
             raise BadInput(f"{flag} {path}: no such directory")
-    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
-        raise BadInput(f"--tokenizer {args.tokenizer}: no such file")
+    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
+        raise BadInput(f"--tokenizer {args.tokenizer}: no such file or directory")
     for flag, value in (("--max-new-tokens", args.max_new_tokens),
-                        ("--batch-size", args.batch_size),
-                        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-                        ("--expert-model-parallel-size", args.expert_model_parallel_size)):
+                        ("--batch-size", args.batch_size)):
         if value < 1:
             raise BadInput(f"{flag} must be >= 1, got {value}")
-    tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.expert_model_parallel_size)
-    if world_size % (tp * pp) or (world_size // pp) % ep:
-        raise BadInput(f"world size {world_size} does not fit --tensor-model-parallel-size {tp} x "
-                       f"--pipeline-model-parallel-size {pp} with --expert-model-parallel-size "
-                       f"{ep} dividing the ranks of a stage")
+    model, parallel = run_section(args, "model"), run_section(args, "parallel")
+    problem = layout_problem(world_size, parallel.tensor_model_parallel_size,
+                             parallel.pipeline_model_parallel_size,
+                             parallel.expert_model_parallel_size)
+    if problem:
+        raise BadInput(problem)
+    return model, parallel
 
 
 # --- the run -------------------------------------------------------------------------------------
 
 
-def _build(args: argparse.Namespace, platform):
+def _build(args: argparse.Namespace, model_section, parallel, platform):
     """This rank's stage of the base model (+ adapter), ready to generate."""
-    from megatron_slmoe.model.config import ModelSection
-    from megatron_slmoe.parallel.config import ParallelConfig
     from megatron_slmoe.lora.adapter import (
         AdapterError,
         load_adapter,
@@ -141,15 +136,8 @@ def _build(args: argparse.Namespace, platform):
     from megatron_slmoe.model.model_file import load_model_config
     from megatron_slmoe.training import model_setup
 
-    try:
-        model_config = load_model_config(args.model_config)
-        parallel = ParallelConfig(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            expert_model_parallel_size=args.expert_model_parallel_size)
-        precision = model_setup.resolve_precision(ModelSection(precision=args.precision), platform)
-    except ConfigError as err:
-        raise BadInput(str(err)) from None
+    model_config = load_model_config(model_section.config)
+    precision = model_setup.resolve_precision(model_section, platform)
     if "WORLD_SIZE" not in os.environ:  # a plain process, not under torchrun
         from megatron_slmoe.platform.single_rank import init_single_rank
 
@@ -157,7 +145,7 @@ def _build(args: argparse.Namespace, platform):
     model_setup.init_distributed(parallel, args.seed, platform)
     model, _ = model_setup.build_model(model_config, parallel, precision == "bf16", platform)
     try:
-        model_setup.load_base_weights(model, ModelSection(base_checkpoint=args.base_checkpoint))
+        model_setup.load_base_weights(model, model_section)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # noqa: BLE001  (torch's CheckpointException is a BaseException)
@@ -184,11 +172,11 @@ def generate(args: argparse.Namespace) -> dict:
     from megatron_slmoe.data.tokenizer import load_tokenizer, tokenizer_source
     from megatron_slmoe.inference import SamplingConfig, TextGenerator
     from megatron_slmoe.data.scoring import exact_match
-    from megatron_slmoe.training.evaluation import answer, request_for
+    from megatron_slmoe.training.evaluation import answer, request_for, share_of
     from megatron_slmoe.utils.atomic import write_text_atomic
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    _check_args(args, world_size)
+    model_section, parallel = _check_args(args, world_size)
     try:
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
         tokenizer = load_tokenizer(tokenizer_source(args.tokenizer))
@@ -196,7 +184,7 @@ def generate(args: argparse.Namespace) -> dict:
         raise BadInput(str(err)) from None
     conversations = read_prompts(args.prompts)
     requests = [request_for(tokenizer, m, args.max_new_tokens) for m in conversations]
-    model, model_config = _build(args, apply_adaptor())
+    model, model_config = _build(args, model_section, parallel, apply_adaptor())
     for number, request in enumerate(requests):
         length = len(request.prompt_ids) + request.max_new_tokens
         if length > model_config.max_sequence_length:
@@ -205,10 +193,8 @@ def generate(args: argparse.Namespace) -> dict:
                            f"max_sequence_length {model_config.max_sequence_length}")
 
     dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    share = -(-len(requests) // dp_size)
-    first = min(dp_rank * share, len(requests))
-    mine = requests[first:first + share]
+    share = share_of(len(requests), dp_rank, parallel_state.get_data_parallel_world_size())
+    first, mine = share.start, [requests[i] for i in share]
     generator = TextGenerator(model, tokenizer.eos_id, tokenizer.vocab_size,
                               max_batch_size=args.batch_size, use_kv_cache=not args.no_kv_cache)
     answers = answer(generator, tokenizer, mine, sampling, first_index=first)
@@ -240,7 +226,7 @@ def _last_user(messages: list[dict]) -> str:
     return next(m["content"] for m in reversed(messages) if m["role"] == "user")
 
 
-@user_errors()
+@user_errors(ConfigError)
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -26,17 +26,20 @@ import sys
 import warnings
 
 from megatron_slmoe.commands.cli import BadInput, user_errors
+from megatron_slmoe.training.cli import add_run_flags
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-checkpoint", required=True,
-                        help="Megatron dist checkpoint directory of the base model")
+    add_run_flags(parser, "model.base_checkpoint", required=["model.base_checkpoint"],
+                  helps={"model.base_checkpoint": "Megatron dist checkpoint directory of the base "
+                                                  "model"})
     parser.add_argument("--adapter", required=True,
                         help="adapter directory (adapter_config.json, adapter_model.safetensors)")
-    parser.add_argument("--model-config", default=None,
-                        help="model YAML file or packaged config name (default: the one the base "
-                             "checkpoint records; if given, it must name the same model)")
+    add_run_flags(parser, "model.config", defaults={"model.config": None},
+                  helps={"model.config": "model YAML file or packaged config name (default: the "
+                                         "one the base checkpoint records; if given, it must "
+                                         "name the same model)"})
     parser.add_argument("--output", required=True,
                         help="directory for the merged dist checkpoint (must not exist, or be empty)")
     return parser.parse_args(argv)

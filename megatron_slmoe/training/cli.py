@@ -16,6 +16,7 @@ Every problem is one ConfigError line (a command line prints it and exits with c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -70,13 +71,18 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _add_flag(group, section: str, f, hint: Any) -> None:
-    dest = f"{section}.{f.name}"
-    default = f.default_factory() if callable(f.default_factory) else f.default
-    text = f.metadata["help"]
+def _add_flag(group, section: str, f, hint: Any, *, dest: Optional[str] = None,
+              default: Any = dataclasses.MISSING, help: Optional[str] = None,
+              required: bool = False) -> None:
+    dest = dest or f"{section}.{f.name}"
+    if default is dataclasses.MISSING:
+        default = f.default_factory() if callable(f.default_factory) else f.default
+    text = help or f.metadata["help"]
     shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
-    kwargs: dict[str, Any] = {"dest": dest,
-                              "help": text if default is None else f"{text} [default: {shown}]"}
+    kwargs: dict[str, Any] = {"dest": dest, "help": text if default is None or required
+                              else f"{text} [default: {shown}]"}
+    if required:
+        kwargs["required"] = True
     if hint is bool or (is_optional(hint) and scalar_type(hint) is bool):
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
@@ -92,6 +98,42 @@ def _add_flag(group, section: str, f, hint: Any) -> None:
     for switch, value in f.metadata["switches"].items():
         group.add_argument(switch, dest=dest, action="store_const", const=value,
                            help=f"same as {f.metadata['flag']} {value}")
+
+
+LAYOUT_FLAGS = ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+                "parallel.expert_model_parallel_size")
+"""The parallel layout's settings, for the commands that build a model in any layout."""
+
+
+def add_run_flags(group, *names: str, required: Sequence[str] = (),
+                  defaults: Optional[dict[str, Any]] = None,
+                  helps: Optional[dict[str, str]] = None) -> None:
+    """Give another command (slmoe-generate, slmoe-convert-hf, ...) the fine-tune's own flags for
+    the run settings ``names`` ("section.field", e.g. "parallel.tensor_model_parallel_size"):
+    spelled, typed and documented as there. ``required``, ``defaults`` and ``helps`` override
+    per name; a flag's value is ``args.<flag with _>`` (``--model-config`` -> ``model_config``).
+    ``run_section(args, section)`` checks them with the section's own rules."""
+    sections = RunConfig.sections()
+    for name in names:
+        section, field_name = name.split(".", 1)
+        cls = sections[section]
+        f = {f.name: f for f in settings(cls)}[field_name]
+        dest = f.metadata["flag"].lstrip("-").replace("-", "_")
+        _add_flag(group, section, f, hints(cls)[field_name], dest=dest,
+                  default=(defaults or {}).get(name, dataclasses.MISSING),
+                  help=(helps or {}).get(name), required=name in required)
+
+
+def run_section(args: argparse.Namespace, section: str):
+    """The section ``section`` of a command's ``add_run_flags`` values (the other fields at their
+    defaults), checked by the section's own rules (ConfigError naming the flag)."""
+    cls = RunConfig.sections()[section]
+    values = {}
+    for f in settings(cls):
+        dest = f.metadata["flag"].lstrip("-").replace("-", "_")
+        if dest in vars(args) and getattr(args, dest) is not None:
+            values[f.name] = getattr(args, dest)
+    return getattr(build_run_config({section: values}), section)
 
 
 def read_yaml(path: str) -> dict[str, dict[str, Any]]:
