@@ -35,7 +35,8 @@ class ImageDecodeError(ValueError):
 
 @dataclass(frozen=True)
 class ImagePreprocessConfig:
-    """How images become vision-tower input."""
+    """How images become vision-tower input. A run's comes from its ``vision`` and
+    ``image_text`` sections (``from_sections``), which check the values and name the flags."""
 
     img_h: int = 32
     """Tile height in pixels (the vision tower's)."""
@@ -50,30 +51,13 @@ class ImagePreprocessConfig:
     std: Tuple[float, float, float] = CLIP_STD
     """Per-channel standard deviation divided by after subtracting the mean."""
 
-    _FLAGS = {"img_h": "--img-h", "img_w": "--img-w", "max_tiles": "--max-num-tiles",
-              "thumbnail": "--use-thumbnail", "mean": "--image-mean", "std": "--image-std"}
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """One ValueError line naming the first bad field."""
-        for name in ("img_h", "img_w", "max_tiles"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"image.{name} ({self._FLAGS[name]}) must be a positive "
-                                 f"integer, got {value!r}")
-        if self.thumbnail and self.max_tiles == 1:
-            raise ValueError("image.thumbnail (--use-thumbnail) needs image.max_tiles "
-                             "(--max-num-tiles) > 1")
-        for name in ("mean", "std"):
-            value = getattr(self, name)
-            if (not isinstance(value, tuple) or len(value) != 3
-                    or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in value)):
-                raise ValueError(f"image.{name} ({self._FLAGS[name]}) must be 3 finite numbers, "
-                                 f"got {value!r}")
-        if min(self.std) <= 0:
-            raise ValueError(f"image.std (--image-std) must be positive, got {self.std!r}")
+    @classmethod
+    def from_sections(cls, vision, image_text) -> "ImagePreprocessConfig":
+        """A run's: the tower's tile size (``vision``), tiling and normalisation
+        (``image_text``)."""
+        return cls(img_h=vision.img_h, img_w=vision.img_w, max_tiles=image_text.max_tiles,
+                   thumbnail=image_text.thumbnail, mean=tuple(image_text.image_mean),
+                   std=tuple(image_text.image_std))
 
     @property
     def tiles_per_image(self) -> int:

@@ -110,11 +110,29 @@ def test_corrupt_png_checksum_is_refused(picture):
         decode_image(bytes(data))
 
 
-@pytest.mark.parametrize("fields, flag", [
-    (dict(img_h=0), "--img-h"), (dict(max_tiles=0), "--max-num-tiles"),
-    (dict(thumbnail=True), "--use-thumbnail"), (dict(std=(1.0, 0.0, 1.0)), "--image-std"),
-    (dict(mean=(0.5, 0.5)), "--image-mean"),
+@pytest.mark.parametrize("flags, named", [
+    (["--img-h", "0"], "--img-h"), (["--max-num-tiles", "0"], "--max-num-tiles"),
+    (["--use-thumbnail"], "--use-thumbnail"), (["--image-std", "1", "0", "1"], "--image-std"),
+    (["--image-mean", "0.5", "0.5"], "--image-mean"),
 ])
-def test_config_refuses_bad_values_naming_the_flag(fields, flag):
-    with pytest.raises(ValueError, match=flag):
-        ImagePreprocessConfig(**fields)
+def test_bad_image_settings_are_refused_naming_the_flag(flags, named):
+    """The image settings live in the run configuration's sections (vision, image_text), which
+    check them; the preprocessing takes them from there."""
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.training.cli import parse_command_line
+
+    with pytest.raises(ConfigError, match=named):
+        parse_command_line(["--task", "image-text", *flags], prog="t", description="t",
+                           world_size=0)
+
+
+def test_a_runs_preprocessing_is_its_sections():
+    from megatron_slmoe.training.cli import parse_command_line
+
+    run = parse_command_line(["--task", "image-text", "--img-h", "48", "--img-w", "64",
+                              "--max-num-tiles", "4", "--use-thumbnail", "--image-mean", "0.1",
+                              "0.2", "0.3"], prog="t", description="t",
+                             world_size=0).run
+    config = ImagePreprocessConfig.from_sections(run.vision, run.image_text)
+    assert config == ImagePreprocessConfig(img_h=48, img_w=64, max_tiles=4, thumbnail=True,
+                                           mean=(0.1, 0.2, 0.3), std=tuple(run.image_text.image_std))

@@ -129,13 +129,6 @@ def greedy_generate(model, prompts: Sequence[GenerationPrompt], *, max_new_token
     return generated[:len(prompts)]
 
 
-def preprocess_config(vision: VisionConfig, image_text: ImageTextConfig) -> ImagePreprocessConfig:
-    """How a run's images become tower input (the ``vision`` and ``image_text`` sections)."""
-    return ImagePreprocessConfig(img_h=vision.img_h, img_w=vision.img_w,
-                                 max_tiles=image_text.max_tiles, thumbnail=image_text.thumbnail,
-                                 mean=tuple(image_text.image_mean), std=tuple(image_text.image_std))
-
-
 class ImageTextTask(Task):
     """Its sections: ``data``, ``vision``, ``image_text``, the schedule (seed, samples) and the
     fine-tuning mode (a full fine-tune freezes the tower unless ``--train-vision-tower``)."""
@@ -198,7 +191,7 @@ class ImageTextTask(Task):
         train_path, valid_path = self._paths(output_dir)
         common = dict(image_token_index=self.vision.image_token_index,
                       tokens_per_tile=self.vision.num_image_embeddings,
-                      preprocess=preprocess_config(self.vision, self.settings),
+                      preprocess=ImagePreprocessConfig.from_sections(self.vision, self.settings),
                       caption_prompt=self.settings.caption_prompt, seed=schedule.seed)
         train = ImageTextDataset(train_path, tokenizer, data.seq_length, split="train",
                                  num_samples=schedule.train_samples, **common)
