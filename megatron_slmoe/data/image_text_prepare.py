@@ -42,12 +42,12 @@ import io
 import json
 import logging
 import os
-import shutil
 import tarfile
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 from megatron_slmoe.data.errors import DataError, require_file
+from megatron_slmoe.utils.atomic import atomic_directory
 from megatron_slmoe.data.image import ImageDecodeError, decode_image
 from megatron_slmoe.data.image_text import IMAGE_EXTENSIONS, KINDS, BadSample, check_image_count
 from megatron_slmoe.data.instruction import _Malformed, parse_record
@@ -272,21 +272,13 @@ def prepare_image_text(output: str, splits: Dict[str, Iterable[ShardRecord]], ki
         raise DataError(f"{output} already exists (choose a new output folder)")
     if samples_per_shard < 1:
         raise DataError(f"--samples-per-shard must be positive, got {samples_per_shard}")
-    parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(output)}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with atomic_directory(output) as staging:
         written = {split: write_shards(records, staging, split, samples_per_shard)
                    for split, records in splits.items()}
         empty = [s for s, n in written.items() if n == 0]
         if empty:
             raise DataError(f"split {empty[0]!r} has no usable records")
         index_energon_dataset(staging, kind)
-        os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return written
 
 

@@ -204,19 +204,13 @@ def generate(out_dir: str, seed: int = SEED, captions: int = 3000, vqa_train: in
 def ensure_shapes_task(out_dir: str, seed: int = SEED) -> Dict[str, str]:
     """The task's dataset paths under ``out_dir``, generated on first use under a temporary name
     and renamed into place when complete. Call it on one rank (then barrier)."""
-    import shutil
+    from megatron_slmoe.utils.atomic import atomic_directory
 
     paths = {"captions": os.path.join(out_dir, "captions"), "vqa": os.path.join(out_dir, "vqa")}
     if os.path.isdir(out_dir):
         return paths
-    staging = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with atomic_directory(out_dir) as staging:
         generate(staging, seed)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return paths
 
 

@@ -35,7 +35,12 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from safetensors.torch import load_file, save_file
 
-from megatron_slmoe.utils.atomic import fsync_path, write_json_atomic, write_text_atomic
+from megatron_slmoe.utils.atomic import (
+    promote_directory,
+    staging_directory,
+    write_json_atomic,
+    write_text_atomic,
+)
 from megatron_slmoe.utils.manifest import MANIFEST, inventory, sha256_file
 
 log = logging.getLogger(__name__)
@@ -201,11 +206,8 @@ def _promote(root: str, name: str, keep_last: int) -> None:
         write_json_atomic(os.path.join(tmp, MANIFEST),
                           {"iteration": int(name[len("iter_"):]),
                            "files": inventory(tmp, known=digests)}, sort_keys=True)
-        fsync_path(tmp)
-        if os.path.exists(final):  # an earlier attempt's checkpoint of the same iteration
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_path(root)
+        # An earlier attempt's checkpoint of the same iteration is swapped out, not deleted first.
+        promote_directory(tmp, final, replace=True)
         write_text_atomic(os.path.join(root, "latest"), name)
         _prune(root, keep_last)
     torch.distributed.barrier()
@@ -231,14 +233,13 @@ def save_base_checkpoint(model, directory: str, model_config_name: str, tokenize
     file when it is not a packaged one, as ``model_config.yaml``), the tokenizer it was trained
     with in ``tokenizer.json`` and a MANIFEST.json of every file (so a truncated copy is named
     before a run starts). Collective; it appears under ``directory`` only when complete (written
-    to ``<directory>.tmp``, then renamed by rank 0)."""
+    to a staging directory beside it, which rank 0 then swaps in: an earlier base at
+    ``directory`` stays in place until the new one is whole)."""
     rank = torch.distributed.get_rank()
     directory = os.path.abspath(directory)
-    tmp = directory + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed
-        os.makedirs(tmp)
-    torch.distributed.barrier()
+    staging = [staging_directory(directory) if rank == 0 else None]
+    torch.distributed.broadcast_object_list(staging, src=0)
+    tmp = staging[0]
     dist_checkpointing.save(model.sharded_state_dict(), tmp)
     torch.distributed.barrier()
     if rank == 0:
@@ -247,9 +248,7 @@ def save_base_checkpoint(model, directory: str, model_config_name: str, tokenize
             shutil.copyfile(model_file, os.path.join(tmp, "model_config.yaml"))
         tokenizer.save(os.path.join(tmp, BASE_TOKENIZER))
         write_json_atomic(os.path.join(tmp, MANIFEST), {"files": inventory(tmp)}, sort_keys=True)
-        if os.path.exists(directory):
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        promote_directory(tmp, directory, replace=True)  # the old base stays until then
     torch.distributed.barrier()
 
 
