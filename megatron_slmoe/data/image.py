@@ -22,11 +22,15 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import TYPE_CHECKING, Tuple
 
 import torch
 
 from megatron_slmoe.data.config import CLIP_MEAN, CLIP_STD
+
+if TYPE_CHECKING:
+    from megatron_slmoe.data.config import ImageTextConfig
+    from megatron_slmoe.model.config import VisionConfig
 
 
 class ImageDecodeError(ValueError):
@@ -52,7 +56,8 @@ class ImagePreprocessConfig:
     """Per-channel standard deviation divided by after subtracting the mean."""
 
     @classmethod
-    def from_sections(cls, vision, image_text) -> "ImagePreprocessConfig":
+    def from_sections(cls, vision: VisionConfig, image_text: ImageTextConfig
+                      ) -> "ImagePreprocessConfig":
         """A run's: the tower's tile size (``vision``), tiling and normalisation
         (``image_text``)."""
         return cls(img_h=vision.img_h, img_w=vision.img_w, max_tiles=image_text.max_tiles,

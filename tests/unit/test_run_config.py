@@ -158,16 +158,38 @@ def test_print_config_fed_back_gives_the_same_configuration(tmp_path, capsys):
 
 
 def test_every_flag_is_unique_and_every_field_is_read_by_package_code():
-    """A flag nothing reads (like the old --exit-after-iters) fails here: each field name must
-    appear as an attribute read somewhere in the package outside megatron_slmoe/config."""
+    """A flag nothing reads (like the old --exit-after-iters) fails here: each field must be read
+    as an attribute of an object holding its section (tests/helpers/section_reads.py), outside
+    the section's own checks."""
+    from tests.helpers.section_reads import field_reads
+
     parser = build_parser("t", "")
     flags = [opt for action in parser._actions for opt in action.option_strings]
     assert len(flags) == len(set(flags))
-    sources = "\n".join(p.read_text() for p in (ROOT / "megatron_slmoe").rglob("*.py")
-                        if "config" not in p.relative_to(ROOT / "megatron_slmoe").parts[:1])
+    sections = {name: cls.__name__ for name, cls in RunConfig.sections().items()}
+    reads = field_reads(ROOT / "megatron_slmoe", sections)
     unread = [f"{section}.{f.name}" for section, cls in RunConfig.sections().items()
-              for f in settings(cls) if not re.search(rf"\.{f.name}\b", sources)]
+              for f in settings(cls) if f.name not in reads[section]]
     assert unread == []
+
+
+@pytest.mark.parametrize("source, read", [
+    ("def f(run):\n    return run.lora.rank", True),
+    ("def f(run):\n    lora = run.lora\n    return lora.rank", True),
+    ("def f(lora: LoRAConfig):\n    return lora.rank", True),
+    ("class T:\n    def __init__(self, run):\n        self.s = run.lora\n"
+     "    def g(self):\n        return self.s.rank", True),
+    ("def f(args):\n    return run_section(args, 'lora').rank", True),
+    ("def f(other):\n    return other.rank", False),  # a rank of something else
+    ("def f(model):\n    return model.lora.rank", False),  # not a run configuration
+    ("class LoRAConfig:\n    def validate(self):\n        return self.rank", False),
+])
+def test_a_field_counts_as_read_only_on_its_sections_object(tmp_path, source, read):
+    from tests.helpers.section_reads import field_reads
+
+    (tmp_path / "m.py").write_text(source)
+    reads = field_reads(tmp_path, {"lora": "LoRAConfig"})
+    assert ("rank" in reads["lora"]) == read
 
 
 @pytest.mark.parametrize("text, needle", [
