@@ -69,7 +69,7 @@ from megatron_slmoe.data.image import (
     preprocess_image,
 )
 from megatron_slmoe.data.instruction import (
-    _Malformed,
+    MalformedRecord,
     build_generation_prompt,
     parse_record,
     render_chat,
@@ -183,7 +183,7 @@ def conversation_of(sample, caption_prompt: str = DEFAULT_CAPTION_PROMPT
             raise BadSample("malformed record", "the json part must be an object with 'messages'")
         try:
             messages = parse_record({"messages": record["messages"]})
-        except _Malformed as err:
+        except MalformedRecord as err:
             raise BadSample("malformed record", str(err)) from None
         images = _image_parts(sample)
     else:

@@ -50,7 +50,7 @@ from megatron_slmoe.data.errors import DataError, require_file
 from megatron_slmoe.utils.atomic import atomic_directory
 from megatron_slmoe.data.image import ImageDecodeError, decode_image
 from megatron_slmoe.data.image_text import IMAGE_EXTENSIONS, KINDS, BadSample, check_image_count
-from megatron_slmoe.data.instruction import _Malformed, parse_record
+from megatron_slmoe.data.instruction import MalformedRecord, parse_record
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _messages(record: dict) -> List[Dict[str, str]]:
         messages.append({"role": ROLE_NAMES[role], "content": content})
     try:
         return parse_record({"messages": messages})
-    except _Malformed as err:
+    except MalformedRecord as err:
         raise BadSample("malformed record", str(err)) from None
 
 

@@ -96,7 +96,7 @@ class InstructionStats:
                 f"{self.packed_examples} packed into {self.rows} rows")
 
 
-class _Malformed(ValueError):
+class MalformedRecord(ValueError):
     def __init__(self, key: str, detail: str):
         super().__init__(detail)
         self.key = key          # the counter key in InstructionStats.by_reason
@@ -104,9 +104,9 @@ class _Malformed(ValueError):
 
 def _check_text(value, what: str, allow_empty: bool) -> str:
     if not isinstance(value, str):
-        raise _Malformed("wrong type", f"{what} must be a string, got {type(value).__name__}")
+        raise MalformedRecord("wrong type", f"{what} must be a string, got {type(value).__name__}")
     if not allow_empty and not value.strip():
-        raise _Malformed("empty response", f"{what} is empty")
+        raise MalformedRecord("empty response", f"{what} is empty")
     return value
 
 
@@ -118,43 +118,43 @@ def parse_record(record) -> List[Message]:
     ``bad turn order``, ``invalid utf-8``.
     """
     if not isinstance(record, dict):
-        raise _Malformed("not an object", f"record must be a JSON object, got {type(record).__name__}")
+        raise MalformedRecord("not an object", f"record must be a JSON object, got {type(record).__name__}")
     has_prompt = "prompt" in record or "response" in record
     if has_prompt and "messages" in record:
-        raise _Malformed("both formats", "record has both prompt/response and messages")
+        raise MalformedRecord("both formats", "record has both prompt/response and messages")
     if has_prompt:
         for key in ("prompt", "response"):
             if key not in record:
-                raise _Malformed("missing key", f"missing key '{key}'")
+                raise MalformedRecord("missing key", f"missing key '{key}'")
         return [{"role": "user", "content": _check_text(record["prompt"], "prompt", True)},
                 {"role": "assistant", "content": _check_text(record["response"], "response", False)}]
     if "messages" not in record:
-        raise _Malformed("missing key", "missing key 'prompt'/'response' or 'messages'")
+        raise MalformedRecord("missing key", "missing key 'prompt'/'response' or 'messages'")
     raw = record["messages"]
     if not isinstance(raw, list):
-        raise _Malformed("wrong type", f"messages must be a list, got {type(raw).__name__}")
+        raise MalformedRecord("wrong type", f"messages must be a list, got {type(raw).__name__}")
     if not raw:
-        raise _Malformed("empty response", "messages is empty")
+        raise MalformedRecord("empty response", "messages is empty")
     messages = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
-            raise _Malformed("wrong type", f"messages[{i}] must be an object, got {type(m).__name__}")
+            raise MalformedRecord("wrong type", f"messages[{i}] must be an object, got {type(m).__name__}")
         for key in ("role", "content"):
             if key not in m:
-                raise _Malformed("missing key", f"messages[{i}] missing key '{key}'")
+                raise MalformedRecord("missing key", f"messages[{i}] missing key '{key}'")
         role = m["role"]
         if role not in ROLES:
-            raise _Malformed("unknown role", f"messages[{i}] has unknown role {role!r}")
+            raise MalformedRecord("unknown role", f"messages[{i}] has unknown role {role!r}")
         content = _check_text(m["content"], f"messages[{i}].content", role != "assistant")
         messages.append({"role": role, "content": content})
     first = 1 if messages[0]["role"] == "system" else 0
     for i in range(first, len(messages)):
         expected = "user" if (i - first) % 2 == 0 else "assistant"
         if messages[i]["role"] != expected:
-            raise _Malformed("bad turn order", f"messages[{i}] is {messages[i]['role']}, expected "
+            raise MalformedRecord("bad turn order", f"messages[{i}] is {messages[i]['role']}, expected "
                              f"{expected} (optional system first, then user/assistant alternating)")
     if messages[-1]["role"] != "assistant":
-        raise _Malformed("bad turn order", "last message must be from the assistant")
+        raise MalformedRecord("bad turn order", "last message must be from the assistant")
     return messages
 
 
@@ -173,14 +173,14 @@ def read_instruction_jsonl(path: str, stats: Optional[InstructionStats] = None,
         stats.records += 1
         try:
             if isinstance(record, ValueError):
-                raise _Malformed("bad json", f"bad json ({record})")
+                raise MalformedRecord("bad json", f"bad json ({record})")
             messages = parse_record(record)
             for m in messages:   # undecodable bytes survive as lone surrogates
                 try:
                     m["content"].encode("utf-8")
                 except UnicodeEncodeError:
-                    raise _Malformed("invalid utf-8", "text is not valid UTF-8") from None
-        except _Malformed as exc:
+                    raise MalformedRecord("invalid utf-8", "text is not valid UTF-8") from None
+        except MalformedRecord as exc:
             key, reason = exc.key, str(exc)
             stats.malformed += 1
             stats.by_reason[key] = stats.by_reason.get(key, 0) + 1

@@ -88,24 +88,24 @@ class LoadReport:
     """Bytes of the slices read (after FP8 dequantisation)."""
 
 
-def _sharded_tensors(state) -> Iterator:
+def sharded_tensors(state) -> Iterator:
     """The ShardedTensors of a (nested) sharded state dict, factories built (their tensors are
     views of the parameters)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     if isinstance(state, dict):
         for value in state.values():
-            yield from _sharded_tensors(value)
+            yield from sharded_tensors(value)
     elif isinstance(state, (list, tuple)):
         for value in state:
-            yield from _sharded_tensors(value)
+            yield from sharded_tensors(value)
     elif isinstance(state, ShardedTensorFactory):
-        yield from _sharded_tensors(state.build())
+        yield from sharded_tensors(state.build())
     elif isinstance(state, ShardedTensor):
         yield state
 
 
-def _local_box(st) -> tuple[tuple[int, int], ...]:
+def local_box(st) -> tuple[tuple[int, int], ...]:
     if st.prepend_axis_num or st.flattened_range is not None:
         raise HFCheckpointError(f"Megatron tensor {st.key}: stacked or flattened shards are not "
                                 f"supported by the HF import")
@@ -119,8 +119,8 @@ def plan_reads(model_chunks: Iterable, hf: HFModel) -> list[tuple[str, tuple, Ov
     shapes = {key: info.shape for key, info in checkpoint.tensors.items()}
     reads = []
     for chunk in model_chunks:
-        for st in _sharded_tensors(chunk.sharded_state_dict()):
-            local_box = _local_box(st)
+        for st in sharded_tensors(chunk.sharded_state_dict()):
+            local_box = local_box(st)
             pieces = table.pieces(st.key, tuple(st.global_shape))
             if pieces is None:
                 raise HFCheckpointError(f"{checkpoint.config_path}: the {hf.family.name} table has "

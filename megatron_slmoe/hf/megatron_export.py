@@ -18,7 +18,7 @@ import os
 import torch
 
 from megatron_slmoe.hf.errors import HFCheckpointError
-from megatron_slmoe.hf.loader import HFModel, _local_box, _sharded_tensors
+from megatron_slmoe.hf.loader import HFModel, local_box, sharded_tensors
 from megatron_slmoe.hf.merged_export import hf_weights, write_hf_checkpoint
 from megatron_slmoe.hf.safetensors_stream import PlannedTensor
 
@@ -28,11 +28,11 @@ def _local_blocks(model_chunks, hf: HFModel) -> dict[str, list]:
     table = hf.family.table(hf.model_config)
     blocks: dict[str, list] = {}
     for chunk in model_chunks:
-        for st in _sharded_tensors(chunk.sharded_state_dict()):
+        for st in sharded_tensors(chunk.sharded_state_dict()):
             pieces = table.pieces(st.key, tuple(st.global_shape))
             if pieces is None:
                 continue  # not a base weight of the HF model (a LoRA factor)
-            local_box = _local_box(st)
+            local_box = local_box(st)
             for piece in pieces:
                 overlap = piece.within(local_box)
                 if overlap is not None:

@@ -149,7 +149,7 @@ def _attention_inputs(shape: ModelShape) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> tuple[int, int]:
+def lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> tuple[int, int]:
     """(dense LoRA parameters, expert LoRA parameters) of one layer on one rank."""
     r, tp, d = settings.lora_rank, settings.tp, shape.hidden
     targets = set(settings.lora_targets)
@@ -188,7 +188,7 @@ def _static(shape: ModelShape, settings: RunSettings, stage: int) -> dict:
         moe = shape.moe_layers[index]
         w, n = _dense_layer_weights(shape, settings, moe)
         run_dtype, norms = run_dtype + w, norms + n
-        ld, le = _lora_layer_params(shape, settings, moe)
+        ld, le = lora_layer_params(shape, settings, moe)
         lora_dense, lora_expert = lora_dense + ld, lora_expert + le
         if moe:
             buffers += 2 * shape.experts * _FP32  # expert bias and its token count (router)

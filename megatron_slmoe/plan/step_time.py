@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from megatron_slmoe.plan.devices import DeviceSpec
-from megatron_slmoe.plan.memory import _lora_layer_params
+from megatron_slmoe.plan.memory import lora_layer_params
 from megatron_slmoe.plan.model_shape import (
     ModelShape,
     expert_parameters,
@@ -69,7 +69,7 @@ def estimate_step_time(shape: ModelShape, s: RunSettings, device: DeviceSpec) ->
     for stage in range(s.pp):
         layers = range(stage * per_stage, (stage + 1) * per_stage)
         forward = sum(_layer_flops(shape, s, shape.moe_layers[i]) for i in layers)
-        lora = sum(sum(_lora_layer_params(shape, s, shape.moe_layers[i])) for i in layers)
+        lora = sum(sum(lora_layer_params(shape, s, shape.moe_layers[i])) for i in layers)
         if stage == s.pp - 1:
             forward += 2 * shape.vocab * shape.hidden / s.tp * tokens
         recompute = 0.0
@@ -99,7 +99,7 @@ def estimate_step_time(shape: ModelShape, s: RunSettings, device: DeviceSpec) ->
     pipeline = slot * (m + s.pp - 1)
     bubble = slot * (s.pp - 1)
     # LoRA gradients: ring all-reduce (or reduce-scatter + all-gather) of fp32 buffers.
-    trainable = sum(sum(_lora_layer_params(shape, s, moe)) for moe in shape.moe_layers) / s.pp
+    trainable = sum(sum(lora_layer_params(shape, s, moe)) for moe in shape.moe_layers) / s.pp
     dp_link = device.inter_node_gbps if s.world_size > s.devices_per_node else device.intra_node_gbps
     dp_time = (2 * trainable * 4 * (s.dp - 1) / s.dp) / (dp_link * 1e9) if s.dp > 1 else 0.0
     step = pipeline + dp_time

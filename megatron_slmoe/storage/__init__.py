@@ -1,6 +1,6 @@
 """Object storage (S3, MinIO, OBS through its S3 endpoint, msc profiles) and the node-local cache.
 
-Its settings are the ``storage`` section of the run configuration (``megatron_slmoe.config.run.
+Its settings are the ``storage`` section of the run configuration (``megatron_slmoe.storage.config.
 StorageConfig``: ``--cache-dir``, ``--cache-max-gb``, ...); a run's ``--output-url`` is in its
 ``output`` section.
 
