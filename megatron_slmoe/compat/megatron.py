@@ -46,5 +46,16 @@ def defer_expert_bias(router_class: type) -> type:
     return router_class
 
 
-__all__ = ["INDEX_HEADER", "apply_expert_bias", "defer_expert_bias", "set_write_results_queue",
-           "write_results_queue"]
+_LANGUAGE_MAX_SEQUENCE_LENGTH = "_language_max_sequence_length"
+
+
+def llava_padded_length(model) -> int:
+    """The sequence length a pipeline-parallel LLaVAModel pads its combined (text + image)
+    sequence to when it runs without an inference context: what the next stage receives."""
+    if not hasattr(model, _LANGUAGE_MAX_SEQUENCE_LENGTH):
+        raise moved("megatron-core", f"LLaVAModel.{_LANGUAGE_MAX_SEQUENCE_LENGTH}", TESTED)
+    return int(getattr(model, _LANGUAGE_MAX_SEQUENCE_LENGTH))
+
+
+__all__ = ["INDEX_HEADER", "apply_expert_bias", "defer_expert_bias", "llava_padded_length",
+           "set_write_results_queue", "write_results_queue"]

@@ -120,14 +120,14 @@ def plan_reads(model_chunks: Iterable, hf: HFModel) -> list[tuple[str, tuple, Ov
     reads = []
     for chunk in model_chunks:
         for st in sharded_tensors(chunk.sharded_state_dict()):
-            local_box = local_box(st)
+            box = local_box(st)
             pieces = table.pieces(st.key, tuple(st.global_shape))
             if pieces is None:
                 raise HFCheckpointError(f"{checkpoint.config_path}: the {hf.family.name} table has "
                                         f"no rule for Megatron tensor {st.key}")
             covered = 0
             for piece in pieces:
-                overlap = piece.within(local_box)
+                overlap = piece.within(box)
                 if overlap is None:
                     continue
                 found = hf.family.layouts.resolve(piece.hf_key, shapes)

@@ -32,9 +32,9 @@ def _local_blocks(model_chunks, hf: HFModel) -> dict[str, list]:
             pieces = table.pieces(st.key, tuple(st.global_shape))
             if pieces is None:
                 continue  # not a base weight of the HF model (a LoRA factor)
-            local_box = local_box(st)
+            box = local_box(st)
             for piece in pieces:
-                overlap = piece.within(local_box)
+                overlap = piece.within(box)
                 if overlap is not None:
                     block = overlap.to_hf(st.data.detach()).to("cpu", copy=True)
                     index = tuple((s.start, s.stop) for s in overlap.hf_index)

@@ -14,9 +14,12 @@ stages. What this module adds is the loop around one forward step:
   other prompts (they are other data-parallel replicas): all ranks agree on the number of batches
   and the KV-cache length, and keep stepping until every rank's rows are finished;
 * sequence parallelism (on whenever TP > 1 in training) cannot split a one-token decode step:
-  it is switched off for the duration with Megatron's ``set_model_to_sequence_parallel``, and the
-  model is put in eval mode; both are restored afterwards, so the training model itself can
-  generate in the middle of a run.
+  it is switched off for the duration and the model is put in eval mode; every switch is restored
+  to what it was afterwards, so the training model itself can generate in the middle of a run;
+* a multimodal model (Megatron-Core's ``LLaVAModel``) takes prompts with images: each image
+  placeholder token becomes its tiles' embeddings in the prefill, which puts them in the KV cache;
+  decode steps feed text alone, to the language model. Prompts share a batch when
+  their images take the same number of positions and lie inside the prefill.
 
 ``use_kv_cache=False`` recomputes the whole sequence at every step, without an inference context:
 the reference the KV-cached path is tested against.
@@ -28,7 +31,8 @@ rank) must pass the same prompts.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from megatron.core import parallel_state
@@ -37,17 +41,29 @@ from megatron.core.inference.communication_utils import (
     send_to_next_pipeline_rank,
 )
 from megatron.core.inference.contexts import StaticInferenceContext
-from megatron.core.transformer.utils import set_model_to_sequence_parallel
 from megatron.core.utils import get_attr_wrapped_model, unwrap_model
 
+from megatron_slmoe.compat.megatron import llava_padded_length
 from megatron_slmoe.inference.sampling import SamplingConfig, prompt_generator, sample_next_tokens
 
 GREEDY = SamplingConfig()
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One prompt as the loop sees it: its token ids and, for a multimodal model, its images
+    [tiles, 3, H, W], tiles per image, and how many positions its images add to the sequence."""
+
+    tokens: list
+    images: Any = None
+    num_image_tiles: Any = None
+    extra_positions: int = 0
+    last_image_at: int = -1
+
+
 class TextGenerator:
-    """Generates token continuations with one model chunk of this rank (a GPTModel, possibly
-    wrapped in Megatron's DDP / Float16Module).
+    """Generates token continuations with one model chunk of this rank (a GPTModel or a
+    LLaVAModel, possibly wrapped in Megatron's DDP / Float16Module).
 
     ``eos_id``: generation of a prompt stops after this token (it is not returned).
     ``vocab_size``: tokens at or above it (the model's vocabulary padding) are never chosen.
@@ -60,7 +76,10 @@ class TextGenerator:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.module = unwrap_model(model)
-        self.config = self.module.config
+        # A multimodal model's language model is the one whose layout and cache matter.
+        self.multimodal = hasattr(self.module, "img_seq_len")
+        self.language = self.module.language_model if self.multimodal else self.module
+        self.config = self.language.config
         self.eos_id = int(eos_id)
         self.vocab_size = vocab_size
         self.max_batch_size = int(max_batch_size)
@@ -71,12 +90,13 @@ class TextGenerator:
 
     # -- public ----------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 max_new_tokens: Union[int, Sequence[int]],
+    def generate(self, prompts: Sequence[Any], max_new_tokens: Union[int, Sequence[int]],
                  sampling: SamplingConfig = GREEDY,
                  prompt_indices: Optional[Sequence[int]] = None) -> list[list[int]]:
         """The generated tokens of each prompt (without the prompt and without ``eos_id``).
 
+        A prompt is a sequence of token ids or, for a multimodal model, an object with ``tokens``
+        (image placeholders where images go), ``images`` and ``num_image_tiles``.
         ``max_new_tokens``: one limit for all prompts, or one per prompt. ``prompt_indices``: the
         prompts' global indices, which seed their sampling generators (default 0..n-1)."""
         count = len(prompts)
@@ -85,65 +105,102 @@ class TextGenerator:
         indices = list(range(count)) if prompt_indices is None else list(prompt_indices)
         if len(limits) != count or len(indices) != count:
             raise ValueError("max_new_tokens and prompt_indices need one entry per prompt")
-        if any(not p for p in prompts):
+        rows = [self._row(p) for p in prompts]
+        if any(not r.tokens for r in rows):
             raise ValueError("every prompt needs at least one token")
-        # Prompts of similar length share a batch: fewer padded decode steps.
-        order = sorted(range(count), key=lambda i: len(prompts[i]))
-        batches = [order[i:i + self.max_batch_size] for i in range(0, count, self.max_batch_size)]
+        batches = self._batches(rows)
         outputs: list[list[int]] = [[] for _ in range(count)]
         with self._inference_mode():
             for number in range(_global_max(len(batches), self.device)):
-                rows = batches[number] if number < len(batches) else []
-                if rows:
-                    result = self._generate_batch([list(prompts[i]) for i in rows],
-                                                  [limits[i] for i in rows], sampling,
-                                                  [indices[i] for i in rows])
+                members = batches[number] if number < len(batches) else []
+                if members:
+                    result = self._generate_batch([rows[i] for i in members],
+                                                  [limits[i] for i in members], sampling,
+                                                  [indices[i] for i in members])
                 else:  # nothing left here, but the EP peers still need this rank's steps
-                    result = self._generate_batch([[self.eos_id]], [0], sampling, [0])
-                for i, tokens in zip(rows, result):
+                    result = self._generate_batch([_Row([self.eos_id])], [0], sampling, [0])
+                for i, tokens in zip(members, result):
                     outputs[i] = tokens
         return outputs
 
-    # -- internals -------------------------------------------------------------------------------
+    def _row(self, prompt: Any) -> _Row:
+        if not hasattr(prompt, "tokens"):
+            return _Row(list(prompt))
+        if not self.multimodal:
+            raise ValueError("prompts with images need a multimodal model")
+        tokens = list(prompt.tokens)
+        placeholder = self.module.image_token_index
+        at = [i for i, t in enumerate(tokens) if t == placeholder]
+        tiles = prompt.num_image_tiles
+        if len(at) != len(tiles):
+            raise ValueError(f"a prompt has {len(at)} image placeholders and {len(tiles)} images")
+        extra = int(tiles.sum()) * self.module.img_seq_len - len(at)
+        return _Row(tokens, prompt.images, tiles, extra, at[-1] if at else -1)
+
+    def _batches(self, rows: list[_Row]) -> list[list[int]]:
+        """Prompts of similar length share a batch (fewer padded decode steps); with images,
+        only those whose images add the same positions and fall inside every member's prefill
+        (the shortest member's length)."""
+        order = sorted(range(len(rows)), key=lambda i: (rows[i].extra_positions,
+                                                         len(rows[i].tokens)))
+        batches: list[list[int]] = []
+        for i in order:
+            batch = batches[-1] if batches else None
+            if (batch is not None and len(batch) < self.max_batch_size
+                    and rows[batch[0]].extra_positions == rows[i].extra_positions
+                    and max(rows[j].last_image_at for j in batch + [i])
+                    < min(len(rows[j].tokens) for j in batch + [i])):
+                batch.append(i)
+            else:
+                batches.append([i])
+        return batches
 
     @contextmanager
     def _inference_mode(self) -> Iterator[None]:
         was_training = self.module.training
-        sequence_parallel = bool(self.config.sequence_parallel)
         self.module.eval()
-        if sequence_parallel:
-            set_model_to_sequence_parallel(self.module, False)
+        saved = _sequence_parallel_off(self.module) if self.config.sequence_parallel else []
         try:
             with torch.no_grad():
                 yield
         finally:
-            if sequence_parallel:
-                set_model_to_sequence_parallel(self.module, True)
+            for owner, name, value in saved:  # each back to what it was (not all to True)
+                setattr(owner, name, value)
             self.module.train(was_training)
 
-    def _generate_batch(self, prompts: list[list[int]], limits: list[int],
-                        sampling: SamplingConfig, indices: list[int]) -> list[list[int]]:
-        batch = len(prompts)
-        prompt_len_B = torch.tensor([len(p) for p in prompts], device=self.device)
+    def _generate_batch(self, rows: list[_Row], limits: list[int], sampling: SamplingConfig,
+                        indices: list[int]) -> list[list[int]]:
+        batch = len(rows)
+        extra = rows[0].extra_positions  # the same for every row of a batch
+        prompt_len_B = torch.tensor([len(r.tokens) for r in rows], device=self.device)
         stop_at_B = prompt_len_B + torch.tensor(limits, device=self.device)
         # Every rank takes as many steps as the EP peer that needs the most (one forward each),
         # and sizes its batch and KV cache for that.
         start_at = int(prompt_len_B.min())
         total = start_at + _global_max(int(stop_at_B.max()) - start_at, self.device)
         tokens_BS = torch.full((batch, total), self.eos_id, dtype=torch.long, device=self.device)
-        for row, prompt in enumerate(prompts):
-            tokens_BS[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        for row, prompt in enumerate(rows):
+            tokens_BS[row, :len(prompt.tokens)] = torch.tensor(prompt.tokens, dtype=torch.long)
+        images = None
+        if rows[0].images is not None:
+            images = (torch.cat([r.images for r in rows]).to(self.device),
+                      torch.cat([r.num_image_tiles for r in rows]).to(self.device))
         done_B = stop_at_B <= prompt_len_B  # a limit of 0 new tokens
         generators = [] if sampling.greedy else [prompt_generator(sampling.seed, i) for i in indices]
-        context = StaticInferenceContext(batch, total) if self.use_kv_cache else None
+        context = StaticInferenceContext(batch, total + extra) if self.use_kv_cache else None
 
         done_upto, position = 0, start_at
         while position < total:
             start = done_upto if context is not None else 0
             positions_BS = torch.arange(start, position, device=self.device).expand(batch, -1)
-            logits_BV = self._forward(tokens_BS[:, start:position], positions_BS, context)
+            # The images go in with the first forward of the sequence (every forward without a
+            # cache); with a cache, later steps read them from it.
+            with_images = images if start == 0 else None
+            added = extra if with_images is not None else 0
+            logits_BV = self._forward(tokens_BS[:, start:position], positions_BS, context,
+                                      with_images, position - start + added)
             if context is not None:
-                context.increment_sequence_len_offset(position - start)
+                context.increment_sequence_len_offset(position - start + added)
                 context.enable_decode_mode()
             writing_B = (position >= prompt_len_B) & ~done_B
             next_B = self._next_tokens(logits_BV, sampling, generators, writing_B)
@@ -154,30 +211,47 @@ class TextGenerator:
                 break
 
         outputs = []
-        for row, prompt in enumerate(prompts):
-            generated = tokens_BS[row, len(prompt):int(stop_at_B[row])].tolist()
+        for row, prompt in enumerate(rows):
+            generated = tokens_BS[row, len(prompt.tokens):int(stop_at_B[row])].tolist()
             if self.eos_id in generated:
                 generated = generated[:generated.index(self.eos_id)]
             outputs.append(generated)
         return outputs
 
     def _forward(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor,
-                 context: Optional[StaticInferenceContext]) -> Optional[torch.Tensor]:
-        """One forward step of this pipeline stage; the last stage returns the logits of the last
-        position [B, V] (fp32), the others None."""
-        batch, length = tokens_BS.shape
+                 context: Optional[StaticInferenceContext], images, length: int
+                 ) -> Optional[torch.Tensor]:
+        """One forward step of this pipeline stage over ``length`` sequence positions (the
+        tokens, images expanded); the last stage returns the logits of the last position [B, V]
+        (fp32), the others None."""
+        batch = tokens_BS.shape[0]
+        sent = length
+        if (images is not None and context is None
+                and parallel_state.get_pipeline_model_parallel_world_size() > 1):
+            # Without a cache, a pipeline-parallel LLaVAModel pads the sequence between stages.
+            sent = max(length, llava_padded_length(self.module))
         received = None
         if not self.first_stage:
-            received = torch.empty((length, batch, self.config.hidden_size),
+            received = torch.empty((sent, batch, self.config.hidden_size),
                                    dtype=_pipeline_dtype(self.config), device=self.device)
             recv_from_prev_pipeline_rank_(received)
-        get_attr_wrapped_model(self.model, "set_input_tensor")(received)
-        output = self.module(tokens_BS, positions_BS, None, inference_context=context,
-                             runtime_gather_output=True)
+        if images is not None:  # the multimodal model expands the images into the sequence
+            get_attr_wrapped_model(self.model, "set_input_tensor")(received)
+            output, _ = self.module(images[0], tokens_BS, positions_BS, None,
+                                    inference_context=context, num_image_tiles=images[1],
+                                    runtime_gather_output=True)
+        else:  # text alone (a decode step reads the images from the cache): the language model
+            # LLaVAModel's own path for cached steps returns batch-major embeddings where its
+            # language model wants sequence-major ones (megatron-core 0.16 decodes one prompt at
+            # a time); the language model on its own embeds text as LLaVAModel would.
+            self.language.set_input_tensor(received)
+            output = self.language(tokens_BS, positions_BS, None, inference_context=context,
+                                   runtime_gather_output=True)
         if not self.last_stage:
             send_to_next_pipeline_rank(output.to(_pipeline_dtype(self.config)).contiguous())
             return None
-        logits_BV = output[:, -1, :].float()
+        # The last position before any padding (with a cache Megatron keeps only that one).
+        logits_BV = output[:, min(length, output.shape[1]) - 1, :].float()
         return logits_BV[:, :self.vocab_size] if self.vocab_size else logits_BV
 
     def _next_tokens(self, logits_BV: Optional[torch.Tensor], sampling: SamplingConfig,
@@ -192,6 +266,32 @@ class TextGenerator:
             torch.distributed.broadcast(next_B, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                         group=parallel_state.get_pipeline_model_parallel_group())
         return next_B
+
+
+_SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel",
+                            "reduce_scatter_embeddings", "sequence_parallel_lm")
+"""Where Megatron-Core's modules keep the sequence-parallel switch (LLaVAModel: its own copy)."""
+
+
+def _sequence_parallel_off(module: torch.nn.Module) -> list[tuple[object, str, bool]]:
+    """Switch sequence parallelism off in ``module`` (a one-token decode step cannot be split
+    over the sequence); returns (owner, attribute, value) to restore. Megatron's own
+    ``set_model_to_sequence_parallel`` restores every switch to True, which turns on the
+    embedding scatter that LLaVAModel keeps off in its language model."""
+    saved, configs = [], {}
+    for sub in module.modules():
+        for name in _SEQUENCE_PARALLEL_ATTRS:
+            value = sub.__dict__.get(name)
+            if isinstance(value, bool):
+                saved.append((sub, name, value))
+                setattr(sub, name, False)
+        config = getattr(sub, "config", None)
+        if config is not None and isinstance(getattr(config, "sequence_parallel", None), bool):
+            configs[id(config)] = config
+    for config in configs.values():
+        saved.append((config, "sequence_parallel", config.sequence_parallel))
+        config.sequence_parallel = False
+    return saved
 
 
 def _pipeline_dtype(config) -> torch.dtype:

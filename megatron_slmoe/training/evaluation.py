@@ -18,6 +18,9 @@ from megatron_slmoe.data.instruction import Message, build_generation_prompt, sp
 from megatron_slmoe.data.scoring import exact_match
 from megatron_slmoe.data.tokenizer import Tokenizer
 
+GENERATION_BATCH = 64
+"""Held-out prompts per forward pass when a run scores its answers."""
+
 ANSWER_SLACK_TOKENS = 4
 """Generation stops this many tokens after the reference's length (plus its end-of-turn): an
 answer that is still going by then cannot be an exact match, and the cap keeps evaluation short."""
@@ -84,7 +87,7 @@ class TaskEvaluator:
     of a held-out set, each data-parallel replica answering its share."""
 
     def __init__(self, conversations: Sequence[Sequence[Message]], tokenizer: Tokenizer,
-                 samples: int, max_batch_size: int = 64) -> None:
+                 samples: int, max_batch_size: int = GENERATION_BATCH) -> None:
         self.requests = [request_for(tokenizer, m) for m in conversations[:samples]]
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size

@@ -10,6 +10,12 @@ schedule, DDP, finalize_model_grads and Adam. Micro-batches hold 0, 1 or 2 image
 varying places. Compared with the single rank: every step's loss, every LoRA gradient (gathered
 unsharded by global name) at the first and the last step, and the adapter after the last step.
 (4 steps keep the file within CI's time; with STEPS = 10 it passes at the same tolerances.)
+
+Then the trained model answers image+text prompts greedily through the package's one generation
+path (``inference.TextGenerator``: Megatron-Core's KV cache, images entering the cache with the
+prompt), in every layout: the tokens equal the reference's (Megatron's forward-only schedule
+recomputing the whole sequence at every step, tests/helpers/multimodal_generation.py) and the
+single rank's.
 """
 
 from __future__ import annotations
@@ -160,7 +166,45 @@ def train_rank(base_dir: str, save_base: bool, recompute: bool = False) -> dict:
         if step_grads is not None:
             grads[step] = step_grads
     return {"losses": losses, "grads": grads, "adapter": lora_state_dict(model, dst=0),
-            "adapted": adapted}
+            "adapted": adapted, "answers": _answers(ddp)}
+
+
+ANSWER_TOKENS, EOS = 5, 1
+
+
+def _generation_prompts() -> list:
+    """Prompts of different lengths with one image each, at different places."""
+    from megatron_slmoe.data.image_text import GenerationPrompt
+
+    vision = _vision()
+    gen = torch.Generator().manual_seed(7)
+    prompts = []
+    for i in range(5):
+        tokens = torch.randint(6, VOCAB, (6 + 2 * i,), generator=gen).tolist()
+        tokens[1 + i % 3] = vision.image_token_index
+        prompts.append(GenerationPrompt(tokens, torch.randn(1, 3, vision.img_h, vision.img_w,
+                                                            generator=gen),
+                                        torch.ones(1, dtype=torch.int32)))
+    return prompts
+
+
+def _answers(ddp) -> dict:
+    from megatron_slmoe.inference import TextGenerator
+    from tests.helpers.multimodal_generation import greedy_generate
+
+    prompts, vision = _generation_prompts(), _vision()
+    cached = TextGenerator(ddp, EOS, VOCAB, max_batch_size=3).generate(prompts, ANSWER_TOKENS)
+    recomputed = TextGenerator(ddp, EOS, VOCAB, max_batch_size=3,
+                               use_kv_cache=False).generate(prompts, ANSWER_TOKENS)
+    ddp.eval()
+    with torch.no_grad():
+        reference = greedy_generate(
+            ddp, prompts, max_new_tokens=ANSWER_TOKENS, seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH, pad_id=0, eos_id=EOS,
+            image_token_index=vision.image_token_index,
+            tokens_per_tile=vision.num_image_embeddings, device=torch.device("cpu"))
+    ddp.train()
+    return {"cached": cached, "recomputed": recomputed, "reference": reference}
 
 
 # --- tests ---------------------------------------------------------------------------------------
@@ -224,3 +268,14 @@ def test_losses_gradients_and_adapter_match_single_rank(runs, layout):
     errors = _relative_errors(rank0["adapter"], reference["adapter"])
     bad = {n: e for n, e in errors.items() if e > PARAM_TOL}
     assert not bad, f"{layout}: adapter after {STEPS} steps differs from one rank: {bad}"
+
+
+def test_generation_with_images_matches_the_recomputing_reference_in_every_layout(runs):
+    reference, parallel = runs
+    single = reference["answers"]
+    assert single["cached"] == single["reference"] == single["recomputed"]
+    assert any(len(tokens) > 1 for tokens in single["cached"])  # not all stopped at once
+    for layout, ranks in parallel.items():
+        for rank_result in ranks:
+            answers = rank_result["answers"]
+            assert answers["cached"] == answers["reference"] == single["cached"], layout

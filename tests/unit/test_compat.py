@@ -50,6 +50,12 @@ def test_megatron_names():
         TopKRouter.routing)
     assert list(inspect.signature(TopKRouter._apply_expert_bias).parameters)[:3] == [
         "self", "routing_map", "padding_mask"]
+    # LLaVAModel pads between pipeline stages to this length (generation reads it).
+    from megatron.core.models.multimodal.llava_model import LLaVAModel
+
+    source = inspect.getsource(LLaVAModel)
+    assert "self._language_max_sequence_length = language_max_sequence_length" in source
+    assert "max_seq_len = self._language_max_sequence_length" in source
 
 
 def test_megatron_results_queue_moved_is_one_clear_error(monkeypatch):
