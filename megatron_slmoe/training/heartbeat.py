@@ -132,7 +132,12 @@ class Heartbeat:
         are stopped; otherwise the ranks behind the others are stuck; otherwise all are."""
         ranks = list(range(self.world_size))
         first = self._read(ranks)
-        time.sleep(3 * self.interval_s)
+        # This thread is also this rank's publisher: it keeps publishing while it waits, or this
+        # rank (and every other rank diagnosing at the same moment) would look stopped.
+        deadline = time.monotonic() + 3 * self.interval_s
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(self.interval_s, left))
+            self._publish()
         second = self._read(ranks)
         stalled_for = now - self._progress_at
         limit = f"--heartbeat-timeout {self.timeout_s:g}"

@@ -1,6 +1,8 @@
 """The heartbeat's diagnosis, on a real key-value store (torch's HashStore) with each rank's
 publisher running: a rank whose heartbeat stopped is named; otherwise the ranks behind the others;
-otherwise all of them. (Stopping a real job is tests/e2e/test_resilience.py.)"""
+otherwise all of them; and with every rank's own watchdog thread (the real arrangement: it
+publishes and diagnoses), only the stopped rank is named, whichever ranks diagnose at once.
+(Stopping a real job is tests/e2e/test_resilience.py.)"""
 
 from __future__ import annotations
 
@@ -80,3 +82,34 @@ def test_all_ranks_stuck_at_one_step(ranks):
     assert len(culprits) == 3
     assert message == ("no rank finished a step for 30 s (--heartbeat-timeout 10 s): all 3 ranks "
                        "(nodes node0, node1) are stuck after step 4")
+
+
+def test_only_the_stopped_rank_is_named_by_the_ranks_that_diagnose(monkeypatch):
+    """Each rank's one thread publishes and watches, as in a job. Rank 2 stops (SIGSTOP stops
+    its thread); ranks 0 and 1 stop finishing steps (they wait for rank 2 in a collective), so
+    both diagnose, each pausing its watch meanwhile: neither may name itself or the other."""
+    reports = {}
+
+    def record(self, message, culprits):
+        reports[self.rank] = (message, [c.rank for c in culprits])
+        self._stop.set()
+
+    monkeypatch.setattr(Heartbeat, "_stop_job", record)
+    store = torch.distributed.HashStore()
+    beats = [Heartbeat(2.5, store, rank, 3, f"node{rank}", interval_s=0.25) for rank in range(3)]
+    for beat in beats:
+        beat.start()
+    for beat in beats:
+        beat.watch()
+        beat.progress(5)
+    time.sleep(0.6)
+    beats[2].close()  # stopped: publishes nothing more
+    deadline = time.monotonic() + 30
+    while len(reports) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for beat in beats:
+        beat.close()
+    assert sorted(reports) == [0, 1]
+    for message, culprits in reports.values():
+        assert culprits == [2], message
+        assert message.startswith("rank 2 on node node2") and "rank 0" not in message
