@@ -29,8 +29,8 @@ def matches(value: Any, hint: Any) -> bool | None:
         return isinstance(value, bool)
     if hint is int:
         return is_int(value)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is float:  # infinity and NaN mean nothing in any setting we read
+        return is_number(value)
     if hint is str:
         return isinstance(value, str)
     if hint is list:
@@ -59,7 +59,9 @@ def matches(value: Any, hint: Any) -> bool | None:
 
 def describe(hint: Any) -> str:
     """A type hint as a user reads it (``int``, ``Optional[int]``, ``Literal['a', 'b']``)."""
-    text = str(hint).replace("typing.", "")
+    text = str(hint).replace("typing.", "").replace("float", "finite float")
+    if hint is float:
+        return "a finite number"
     return getattr(hint, "__name__", text) if not typing.get_args(hint) else text
 
 

@@ -10,6 +10,10 @@ from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.config.schema import Section, setting
 
 
+MAX_DEVICE_MEMORY_GB = 1e6
+"""Memory of one accelerator, at most (a petabyte: beyond it a figure is a typo)."""
+
+
 @dataclass(frozen=True)
 class ParallelConfig(Section):
     """How the model is split over ranks, and what is recomputed to save memory."""
@@ -46,5 +50,8 @@ class ParallelConfig(Section):
         self.check_positive("tensor_model_parallel_size", "pipeline_model_parallel_size",
                             "expert_model_parallel_size", "distributed_timeout_minutes",
                             "device_memory_gb")
+        self.check(self.device_memory_gb is None or self.device_memory_gb <= MAX_DEVICE_MEMORY_GB,
+                   "device_memory_gb", f"must be at most {MAX_DEVICE_MEMORY_GB:g} GiB, got "
+                                       f"{self.device_memory_gb}")
         if self.recompute_modules and self.recompute_granularity != "selective":
             raise ConfigError("--recompute-modules needs --recompute-granularity selective")

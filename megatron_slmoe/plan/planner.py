@@ -168,6 +168,14 @@ class Plan:
     weights_bytes_total: int = field(default=0)
 
     @property
+    def fewest_replicas(self) -> int:
+        """The fewest data-parallel replicas any TP x PP of this cluster leaves (one micro-batch
+        each at least: more than the global batch means no layout)."""
+        splits = [tp * pp for tp in (1, 2, 4, 8, 16, 32) for pp in _divisors(self.shape.num_layers)
+                  if tp <= self.device.devices_per_node and not self.num_devices % (tp * pp)]
+        return self.num_devices // max(splits, default=1)
+
+    @property
     def feasible(self) -> list[LayoutVerdict]:
         return [v for v in self.verdicts if v.fits]
 
@@ -210,8 +218,12 @@ def _fastest_fit(shape, device, num_devices, options, lean: bool) -> Optional[La
 def smallest_cluster(shape: ModelShape, device: DeviceSpec, num_devices: int,
                      options: PlanOptions, limit: int = 1 << 20
                      ) -> tuple[Optional[int], Optional[LayoutVerdict]]:
-    """The fewest devices (a multiple of a node, above ``num_devices``) with a fitting layout."""
+    """The fewest devices (a multiple of a node) with a fitting layout: above ``num_devices``
+    when some of its layouts exist but none fits, else from one node up (a cluster too large to
+    split the global batch over has smaller ones that fit)."""
     node = device.devices_per_node
+    if not layouts(shape, device, num_devices, options):
+        num_devices = 0
     low, high = num_devices, max(node, -(-num_devices // node) * node)
     found = None
     while high <= limit:

@@ -53,8 +53,16 @@ def format_table(result: Plan, top: int = 10) -> str:
                   f"{min(top, len(feasible))}:", _HEADER]
         lines += [_row(v) for v in feasible[:top]]
     else:
-        lines.append(f"NO LAYOUT FITS: none of the {len(result.verdicts)} layouts of "
-                     f"{result.num_devices} devices fits in {device.memory_bytes / GiB:.1f} GiB.")
+        if result.verdicts:
+            lines.append(f"NO LAYOUT FITS: none of the {len(result.verdicts)} layouts of "
+                         f"{result.num_devices} devices fits in "
+                         f"{device.memory_bytes / GiB:.1f} GiB.")
+        else:
+            lines.append(f"NO LAYOUT: {result.num_devices} devices cannot share "
+                         f"--global-batch-size {result.options.global_batch_size}: every layout "
+                         f"leaves at least {result.fewest_replicas} data-parallel replicas, each "
+                         f"needing micro-batches of its own (use fewer devices or a larger "
+                         f"global batch).")
         if result.smallest_fitting:
             v = result.smallest_layout
             lines.append(f"The smallest cluster of this device that fits: "

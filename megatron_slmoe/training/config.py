@@ -24,6 +24,10 @@ from megatron_slmoe.parallel.layout import data_parallel_size
 from megatron_slmoe.storage.config import StorageConfig, check_locations
 
 
+MAX_SEED = 2**31 - 1
+"""Seeds are in 0..2^31-1 (torch, Megatron's per-rank offsets and numpy all take them)."""
+
+
 class RunFinished(Exception):
     """The run in --output-dir has trained all its steps: nothing to do (not an error; the
     entry point exits 0, or 3 under --validate-only so that a launcher starts nothing)."""
@@ -82,6 +86,7 @@ class ScheduleConfig(Section):
         self.check_positive("micro_batch_size", "global_batch_size", "train_iters",
                             "eval_interval", "eval_iters", "log_interval", "save_interval")
         self.check_non_negative("eval_accuracy_samples")
+        self.check(0 <= self.seed <= MAX_SEED, "seed", f"must be in 0..{MAX_SEED}, got {self.seed}")
 
     @property
     def train_samples(self) -> int:
