@@ -133,7 +133,7 @@ def _process_group(args):
 
     from megatron_slmoe.platform import apply_adaptor
     from megatron_slmoe.platform.single_rank import init_single_rank
-    from megatron_slmoe.training import model_setup
+    from megatron_slmoe.runtime import model as runtime
 
     if torch.distributed.is_initialized():
         yield
@@ -143,7 +143,7 @@ def _process_group(args):
     else:
         parallel = dataclasses.replace(run_section(args, "parallel"),
                                        distributed_timeout_minutes=60)
-        model_setup.init_distributed(parallel, 1234, apply_adaptor())
+        runtime.init_distributed(parallel, 1234, apply_adaptor())
     try:
         yield
     finally:

@@ -105,6 +105,7 @@ class Engine:
         from megatron.core import parallel_state
 
         from megatron_slmoe.storage import Storage
+        from megatron_slmoe.runtime import model as runtime
         from megatron_slmoe.training import model_setup
         from megatron_slmoe.training.async_checkpoint import CheckpointWriter
         from megatron_slmoe.training.metrics import NoRecords
@@ -114,23 +115,23 @@ class Engine:
         # Tear down at the end only what this engine sets up (a test's rank pool keeps its own).
         self._owns_process_group = not torch.distributed.is_initialized()
         self._owns_model_parallel = not parallel_state.model_parallel_is_initialized()
-        model_setup.init_distributed(run.parallel, run.schedule.seed, self.platform)
+        runtime.init_distributed(run.parallel, run.schedule.seed, self.platform)
         run = self.run_config = resolve_run(run, self.platform)
         storage = Storage(run.storage)
-        model_config, hf = model_setup.open_model(run.model)  # checked before start-up
+        model_config, hf = runtime.open_model(run.model)  # checked before start-up
         model_config = model_setup.model_config_for_run(
             model_config, run.moe, run.model.finetune_mode,
             run.parallel.distributed_timeout_minutes)
         self.model_config = model_config
         task = self.task = build_task(run)
-        model, transformer_config = model_setup.build_model(
+        model, transformer_config = runtime.build_model(
             model_config, run.parallel, run.model.precision == "bf16", self.platform,
             initialize=not (run.model.base_checkpoint or run.model.hf_checkpoint),
             build=task.build_model)
-        model_setup.load_base_weights(model, run.model, hf, storage)
+        runtime.load_base_weights(model, run.model, hf, storage)
         task.after_base_weights(model)
         if run.model.finetune_mode == "lora":
-            model_setup.add_lora(model, run.lora, run.model.adapter_init, storage)
+            runtime.add_lora(model, run.lora, run.model.adapter_init, storage)
         ddp, optimizer, scheduler = model_setup.wrap_and_optimize(
             model, transformer_config, run.optimizer, run.schedule,
             run.parallel.use_distributed_optimizer, run.model.precision == "bf16")

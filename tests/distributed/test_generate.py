@@ -32,7 +32,7 @@ def _prompts():
 def _build(parallel_sizes: dict):
     from megatron_slmoe.parallel.config import ParallelConfig
     from megatron_slmoe.model.model_file import load_model_config
-    from megatron_slmoe.training.model_setup import build_model
+    from megatron_slmoe.runtime.model import build_model
 
     import megatron_slmoe
 
@@ -95,7 +95,7 @@ def layout_case(directory: str, prompts, parallel_sizes: dict, sampled: bool):
     from megatron_slmoe.lora.adapter import load_adapter, read_adapter_config
     from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.model.config import ModelSection
-    from megatron_slmoe.training.model_setup import load_base_weights
+    from megatron_slmoe.runtime.model import load_base_weights
 
     model = _build(parallel_sizes)
     load_base_weights(model, ModelSection(base_checkpoint=str(Path(directory) / "base")))

@@ -32,7 +32,7 @@ def saved(tmp_path_factory):
     from megatron_slmoe.data.assets import asset_path
     from megatron_slmoe.data.tokenizer import load_tokenizer
     from megatron_slmoe.training.checkpointing import save_base_checkpoint
-    from megatron_slmoe.training.model_setup import build_model
+    from megatron_slmoe.runtime.model import build_model
 
     import megatron_slmoe
 

@@ -25,6 +25,7 @@ FLOORS = (  # bottom to top; README "Package layout" shows the same map
     ("moe",),
     ("lora", "model"),
     ("hf", "data", "plan", "inference"),
+    ("runtime",),
     ("training",),
     ("commands", "preflight", "launch"),
     ("", "generate"),  # the root package (its lazy PLATFORM); python -m megatron_slmoe.generate

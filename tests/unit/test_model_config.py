@@ -368,7 +368,7 @@ def test_a_model_built_for_loading_has_the_initialised_models_tensor_parallel_ma
     loaded (no initialisation) must carry the same marks, or the grad norm under TP counts its
     shards on TP rank 0 only."""
     from megatron_slmoe.parallel.config import ParallelConfig
-    from megatron_slmoe.training.model_setup import build_model
+    from megatron_slmoe.runtime.model import build_model
 
     def marks(initialize):
         model, _ = build_model(load_model_config("tiny"), ParallelConfig(), False,

@@ -12,14 +12,14 @@ import pytest
 from tests.helpers.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-# One rank, the way the entry point sets up (model_setup.init_distributed), then every group's timeout.
+# One rank, the way the entry point sets up (runtime.init_distributed), then every group's timeout.
 PROBE = """
 import json, torch
 import megatron_slmoe
 from torch.distributed import distributed_c10d as c10d
 from megatron_slmoe.parallel.config import ParallelConfig
-from megatron_slmoe.training import model_setup
-model_setup.init_distributed(ParallelConfig(distributed_timeout_minutes=7), 1,
+from megatron_slmoe.runtime import model as runtime
+runtime.init_distributed(ParallelConfig(distributed_timeout_minutes=7), 1,
                              megatron_slmoe.PLATFORM)
 out = {}
 for pg in list(c10d._world.pg_map):
