@@ -77,16 +77,26 @@ def merge(args: argparse.Namespace) -> str:
     output = _check_paths(args)
     from megatron.core import dist_checkpointing
 
-    from megatron_slmoe.platform import apply_adaptor
-
-
-    apply_adaptor()
-    from megatron_slmoe.lora.adapter import AdapterError, load_adapter, merge_lora
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.data.tokenizer import load_tokenizer, recorded_tokenizer
+    from megatron_slmoe.lora.adapter import AdapterError, base_identity, load_adapter, merge_lora
     from megatron_slmoe.model.build import build_gpt_model
+    from megatron_slmoe.platform import apply_adaptor
     from megatron_slmoe.platform.single_rank import init_single_rank
+    from megatron_slmoe.runtime.bases import open_base
     from megatron_slmoe.utils.atomic import atomic_directory
 
-    model_config, by_name = _model_config(args)
+    apply_adaptor()
+
+    try:
+        base = open_base(base_checkpoint=args.base_checkpoint, model_config=args.model_config,
+                         adapter=args.adapter)
+        recorded = recorded_tokenizer(args.base_checkpoint)  # what the adapter is checked with
+        tokenizer = load_tokenizer(recorded) if recorded else None
+    except (ConfigError, DataError) as err:
+        raise BadInput(_one_line(err)) from None
+    model_config = base.model_config
     try:
         init_single_rank()
     except RuntimeError as err:  # a process with model parallelism already set up
@@ -103,11 +113,7 @@ def merge(args: argparse.Namespace) -> str:
         raise BadInput(f"cannot load base checkpoint {args.base_checkpoint} as model config "
                        f"{model_config.name}: {_load_error(err)}") from None
     try:
-        # The adapter records its base model's config by name; a model file the base carries
-        # is named after the file, so then the tensors' shapes are the check.
-        names = {"model_config": model_config.name} if by_name else {}
-        load_adapter(model, args.adapter,
-                     base_info={**names, **_tokenizer_info(args.base_checkpoint)})
+        load_adapter(model, args.adapter, base_info=base_identity(model_config, tokenizer))
     except AdapterError as err:
         raise BadInput(_one_line(err)) from None
     merge_lora(model)
@@ -115,48 +121,6 @@ def merge(args: argparse.Namespace) -> str:
     with atomic_directory(output) as staging:  # ``output`` is absent or empty (checked above)
         dist_checkpointing.save(model.sharded_state_dict(), staging)
     return output
-
-
-def _model_config(args: argparse.Namespace):
-    """(the model to build, whether it was chosen by name): what the base checkpoint records,
-    else what the adapter records; ``--model-config`` must agree with the base's record."""
-    from megatron_slmoe.config.errors import ConfigError
-    from megatron_slmoe.lora.adapter import AdapterError, read_adapter_config
-    from megatron_slmoe.model.model_file import load_model_config
-    from megatron_slmoe.training.checkpointing import recorded_model_config
-    from megatron_slmoe.training.inputs import check_base_model
-
-    chosen = args.model_config or recorded_model_config(args.base_checkpoint)
-    if chosen is None:
-        try:
-            chosen = read_adapter_config(args.adapter)[1].get("model_config")
-        except AdapterError as err:
-            raise BadInput(_one_line(err)) from None
-    if chosen is None:
-        raise BadInput(f"--base-checkpoint {args.base_checkpoint} and --adapter {args.adapter} "
-                       f"record no model config: pass --model-config")
-    try:
-        model_config = load_model_config(chosen)
-        check_base_model(args.base_checkpoint, model_config,
-                         f"--base-checkpoint {args.base_checkpoint}")
-    except ConfigError as err:
-        raise BadInput(_one_line(err)) from None
-    return model_config, not os.path.isfile(chosen) or chosen == args.model_config
-
-
-def _tokenizer_info(base: str) -> dict:
-    """The base's tokenizer as an adapter records it (nothing when the base records none)."""
-    from megatron_slmoe.data.errors import DataError
-    from megatron_slmoe.data.tokenizer import load_tokenizer
-    from megatron_slmoe.training.checkpointing import BASE_TOKENIZER
-
-    path = os.path.join(base, BASE_TOKENIZER)
-    if not os.path.isfile(path):
-        return {}
-    try:
-        return {"tokenizer_sha256": load_tokenizer(path).fingerprint}
-    except DataError as err:
-        raise BadInput(_one_line(err)) from None
 
 
 @user_errors()

@@ -204,14 +204,37 @@ def _backend(path: str):
 SHIPPED_TOKENIZER = "tokenizer.json"
 """The shipped tokenizer (a data asset): the demo's, and every run's without another."""
 
+BASE_TOKENIZER = "tokenizer.json"
+"""The tokenizer a base checkpoint was trained with, saved next to its weights (with its
+``tokenizer_config.json`` when the base was imported from a Hugging Face checkpoint)."""
 
-def tokenizer_source(tokenizer: Optional[str], hf_checkpoint: Optional[str] = None) -> str:
+
+def recorded_tokenizer(base_checkpoint: Optional[str]) -> Optional[str]:
+    """The tokenizer a local base checkpoint records, as ``--tokenizer`` takes it: the directory
+    for an imported HF checkpoint (tokenizer.json with tokenizer_config.json: special tokens and
+    chat template), else its tokenizer.json; None when it records none."""
+    if not base_checkpoint or not os.path.isdir(base_checkpoint):
+        return None
+    path = os.path.join(base_checkpoint, BASE_TOKENIZER)
+    if not os.path.isfile(path):
+        return None
+    if os.path.isfile(os.path.join(base_checkpoint, "tokenizer_config.json")):
+        return base_checkpoint
+    return path
+
+
+def tokenizer_source(tokenizer: Optional[str], hf_checkpoint: Optional[str] = None,
+                     base_checkpoint: Optional[str] = None) -> str:
     """The tokenizer a run or command uses: ``--tokenizer``, else the ``--hf-checkpoint``
-    directory's, else the shipped one. The one place this rule lives."""
+    directory's, else the one the ``--base-checkpoint`` was trained with, else the shipped one.
+    The one place this rule lives."""
     if tokenizer:
         return tokenizer
     if hf_checkpoint:
         return hf_checkpoint
+    recorded = recorded_tokenizer(base_checkpoint)
+    if recorded:
+        return recorded
     from megatron_slmoe.data.assets import asset_path
 
     return asset_path(SHIPPED_TOKENIZER)

@@ -71,7 +71,7 @@ class AdapterError(ValueError):
 
 def adapter_config_json(lora_config: LoRAConfig, base_info: Mapping[str, Any] | None = None) -> str:
     """The content of adapter_config.json: format version, tensor naming, the LoRA settings and
-    ``base_info`` (identity of the base model, e.g. {"model_config": "tiny"}), JSON-able."""
+    ``base_info`` (identity of the base model: ``base_identity`` and where it was), JSON-able."""
     document = {
         "format_version": FORMAT_VERSION,
         "tensor_naming": TENSOR_NAMING,
@@ -296,11 +296,33 @@ def read_adapter_config(directory: str | os.PathLike) -> tuple[LoRAConfig, dict[
         raise AdapterError(f"{path}: {err}") from None
 
 
-def _check_base_info(expected: Mapping[str, Any], recorded: Mapping[str, Any], where: str) -> None:
-    for key, value in expected.items():
-        if key in recorded and recorded[key] != value:
-            raise AdapterError(f"{where} was trained on base model {key}={recorded[key]!r}, "
-                               f"not {value!r}")
+def base_identity(model_config=None, tokenizer=None) -> dict[str, Any]:
+    """What an adapter records of the base it was trained on, and what a base is checked against
+    when an adapter is loaded: the model's architecture (``ModelConfig.fingerprint``, whatever
+    its config file or checkpoint directory is called; its name too, for messages) and the
+    tokenizer's fingerprint."""
+    identity: dict[str, Any] = {}
+    if model_config is not None:
+        identity.update(model_config=model_config.name, model_fingerprint=model_config.fingerprint)
+    if tokenizer is not None:
+        identity.update(tokenizer_sha256=tokenizer.fingerprint,
+                        tokenizer_vocab_size=tokenizer.vocab_size)
+    return identity
+
+
+def check_base_identity(recorded: Mapping[str, Any], expected: Mapping[str, Any], where: str,
+                        tokenizer_name: str = "this tokenizer") -> None:
+    """Refuse an adapter (``where``) whose recorded base is another model or tokenizer than
+    ``expected`` (a ``base_identity``); what either side does not record is not compared. The
+    model is compared by architecture, never by its config's name alone (an HF checkpoint and
+    the model file its import wrote are the same model under two names)."""
+    if ("model_fingerprint" in recorded and "model_fingerprint" in expected
+            and recorded["model_fingerprint"] != expected["model_fingerprint"]):
+        raise AdapterError(f"{where} was trained on another model ({recorded.get('model_config')!r}) "
+                           f"than {expected.get('model_config')!r}: their layers differ")
+    if ("tokenizer_sha256" in recorded and "tokenizer_sha256" in expected
+            and recorded["tokenizer_sha256"] != expected["tokenizer_sha256"]):
+        raise AdapterError(f"{where} was trained with another tokenizer than {tokenizer_name}")
 
 
 def load_adapter(model_chunks: ModelChunks, directory: str | os.PathLike,
@@ -315,7 +337,7 @@ def load_adapter(model_chunks: ModelChunks, directory: str | os.PathLike,
     """
     directory = os.fspath(directory)
     config, recorded = read_adapter_config(directory)
-    _check_base_info(base_info or {}, recorded, directory)
+    check_base_identity(recorded, base_info or {}, directory)
     injected = injected_config(model_chunks)
     if injected is None:
         inject_lora(model_chunks, config)

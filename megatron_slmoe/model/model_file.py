@@ -19,7 +19,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
 import importlib.resources
+import json
 import os
 import types
 import typing
@@ -121,9 +123,28 @@ class ModelConfig:
                               f"(Megatron shards the embedding by vocabulary rows)")
         return config
 
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the architecture: the TransformerConfig fields and the GPT fields that shape
+        the layers (not the name or file, the maximum sequence length or the run's MoE
+        settings). A model file written by an import has its checkpoint's fingerprint."""
+        arch = {"transformer": dict(self.transformer), "vocab_size": self.vocab_size,
+                "position_embedding_type": self.position_embedding_type,
+                "share_embeddings_and_output_weights": self.share_embeddings_and_output_weights,
+                "rotary_percent": float(self.rotary_percent),
+                "rotary_base": float(self.rotary_base)}
+        text = json.dumps(arch, sort_keys=True, default=_plain_value)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
     def gpt_kwargs(self) -> dict[str, Any]:
         """The GPTModel keyword arguments this file sets."""
         return {name: getattr(self, name) for name in GPT_FIELDS}
+
+
+def _plain_value(value: Any) -> Any:
+    """JSON for the values a model file holds besides JSON's own: tuples and callables by
+    name (a dtype, an activation function)."""
+    return getattr(value, "__name__", None) or str(value)
 
 
 # --- reading a file --------------------------------------------------------------------------

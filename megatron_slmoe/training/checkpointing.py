@@ -35,6 +35,8 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from safetensors.torch import load_file, save_file
 
+from megatron_slmoe.data.tokenizer import BASE_TOKENIZER
+from megatron_slmoe.runtime.bases import BASE_MODEL_FILE, BASE_MODEL_NAME
 from megatron_slmoe.utils.atomic import (
     promote_directory,
     staging_directory,
@@ -219,13 +221,6 @@ def _prune(root: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-BASE_TOKENIZER = "tokenizer.json"
-"""The tokenizer a base checkpoint was trained with, copied next to its weights."""
-
-BASE_MODEL_CONFIG = "model_config.txt"
-"""The name of the model config a base checkpoint was built from."""
-
-
 def save_base_checkpoint(model, directory: str, model_config_name: str, tokenizer,
                          model_file: Optional[str] = None) -> None:
     """The whole model as a Megatron dist checkpoint (a base for LoRA runs), with the name of its
@@ -243,27 +238,13 @@ def save_base_checkpoint(model, directory: str, model_config_name: str, tokenize
     dist_checkpointing.save(model.sharded_state_dict(), tmp)
     torch.distributed.barrier()
     if rank == 0:
-        write_text_atomic(os.path.join(tmp, BASE_MODEL_CONFIG), model_config_name)
+        write_text_atomic(os.path.join(tmp, BASE_MODEL_NAME), model_config_name)
         if model_file:
-            shutil.copyfile(model_file, os.path.join(tmp, "model_config.yaml"))
+            shutil.copyfile(model_file, os.path.join(tmp, BASE_MODEL_FILE))
         tokenizer.save(os.path.join(tmp, BASE_TOKENIZER))
         write_json_atomic(os.path.join(tmp, MANIFEST), {"files": inventory(tmp)}, sort_keys=True)
         promote_directory(tmp, directory, replace=True)  # the old base stays until then
     torch.distributed.barrier()
-
-
-def recorded_model_config(directory: str) -> Optional[str]:
-    """The model config a base checkpoint records, as ``--model-config`` takes it: the model
-    file an import wrote (``model_config.yaml``), else the name of the config it was saved from
-    (``model_config.txt``); None when it records neither."""
-    model_file = os.path.join(directory, "model_config.yaml")
-    if os.path.isfile(model_file):
-        return model_file
-    try:
-        with open(os.path.join(directory, BASE_MODEL_CONFIG), encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 # --- loading -----------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def check_inputs(run: RunConfig, world_size: int, platform) -> None:
-    from megatron_slmoe.training.model_setup import open_model
+    from megatron_slmoe.runtime.model import open_model
 
     _check_paths(run)
     _check_object_storage(run)
@@ -169,7 +169,8 @@ def _check_tokenizer(run: RunConfig, model_config):
 
     data = run.data
     try:
-        source = tokenizer_source(data.tokenizer, run.model.hf_checkpoint)
+        source = tokenizer_source(data.tokenizer, run.model.hf_checkpoint,
+                                  run.model.base_checkpoint)
         tokenizer = load_tokenizer(Storage(run.storage).local_file(source))
     except (DataError, StorageError) as err:
         flag = "--tokenizer" if data.tokenizer or not run.model.hf_checkpoint else \
@@ -185,7 +186,9 @@ def _check_tokenizer(run: RunConfig, model_config):
 def _check_base_checkpoint(run: RunConfig, model_config, tokenizer) -> None:
     """Present and complete (the manifest's sizes, else the dist checkpoint's own files), made
     from this model config, trained with this tokenizer."""
-    from megatron_slmoe.training.checkpointing import BASE_TOKENIZER, verify
+    from megatron_slmoe.data.tokenizer import BASE_TOKENIZER
+    from megatron_slmoe.runtime.bases import check_base_model
+    from megatron_slmoe.training.checkpointing import verify
 
     path = run.model.base_checkpoint
     if not path or is_object_url(path):
@@ -215,28 +218,6 @@ def _check_base_checkpoint(run: RunConfig, model_config, tokenizer) -> None:
                                                    f"({recorded})")
 
 
-def check_base_model(path: str, model_config, flag: str) -> None:
-    """Refuse a base checkpoint that records another model than ``model_config`` (the model file
-    an import wrote, else the name of the config it was saved from). ``flag`` names it."""
-    from megatron_slmoe.training.checkpointing import recorded_model_config
-
-    recorded = recorded_model_config(path)
-    if recorded is None:
-        return
-    try:
-        recorded_config = load_model_config(recorded)
-    except ConfigError:  # a name of a config file that is not here: compare names
-        recorded_config = None
-    if recorded_config is not None:
-        same = (dataclasses.replace(recorded_config, name="", source="")
-                == dataclasses.replace(model_config, name="", source=""))
-    else:
-        same = recorded == model_config.name
-    if not same:
-        raise ConfigError(f"{flag} holds model {recorded!r} (recorded in the checkpoint), not "
-                          f"{model_config.name!r} ({model_config.source})")
-
-
 def _check_same_tokenizer(tokenizer, recorded_path: str, what: str) -> None:
     from megatron_slmoe.data.errors import DataError
     from megatron_slmoe.data.tokenizer import load_tokenizer
@@ -253,7 +234,13 @@ def _check_same_tokenizer(tokenizer, recorded_path: str, what: str) -> None:
 def _check_adapter_init(run: RunConfig, model_config, tokenizer) -> None:
     """Readable, with the run's LoRA rank, alpha and targets, for this model and tokenizer."""
     from megatron_slmoe.hf.peft_import import is_peft_adapter
-    from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, AdapterError, read_adapter_config
+    from megatron_slmoe.lora.adapter import (
+        ADAPTER_WEIGHTS,
+        AdapterError,
+        base_identity,
+        check_base_identity,
+        read_adapter_config,
+    )
 
     path = run.model.adapter_init
     if not path or is_object_url(path) or (run.model.hf_checkpoint and is_peft_adapter(path)):
@@ -270,12 +257,11 @@ def _check_adapter_init(run: RunConfig, model_config, tokenizer) -> None:
             shown = " ".join(ours) if field == "targets" else ours
             raise ConfigError(f"{flag} has lora.{field} {theirs!r}, but "
                               f"{run.lora.flag(field)} is {shown}")
-    if base.get("model_config") not in (None, model_config.name):
-        raise ConfigError(f"{flag} was trained on model config {base['model_config']!r}, not "
-                          f"--model-config {model_config.name!r}")
-    if base.get("tokenizer_sha256") not in (None, tokenizer.fingerprint):
-        raise ConfigError(f"{flag} was trained with another tokenizer than --tokenizer "
-                          f"{tokenizer.path}")
+    try:
+        check_base_identity(base, base_identity(model_config, tokenizer), flag,
+                            tokenizer_name=f"--tokenizer {tokenizer.path}")
+    except AdapterError as err:
+        raise ConfigError(str(err)) from None
     weights = os.path.join(path, ADAPTER_WEIGHTS)
     try:
         from safetensors import safe_open
@@ -402,8 +388,9 @@ def _summary_steps(out: str):
 
 
 def _check_same_settings(run: RunConfig, earlier_path: str, platform) -> None:
+    from megatron_slmoe.data.tokenizer import tokenizer_source
+    from megatron_slmoe.runtime.model import resolve_precision
     from megatron_slmoe.training.cli import build_run_config, read_yaml
-    from megatron_slmoe.training.model_setup import resolve_precision
 
     try:
         earlier = build_run_config(read_yaml(earlier_path))
@@ -415,6 +402,10 @@ def _check_same_settings(run: RunConfig, earlier_path: str, platform) -> None:
             ours, theirs = (getattr(getattr(c, section), name) for c in (run, earlier))
             if name == "precision":
                 ours, theirs = (resolve_precision(c.model, platform) for c in (run, earlier))
+            elif name == "tokenizer":  # as resolved: the flag, else the base's, ...
+                ours, theirs = (os.path.abspath(tokenizer_source(
+                    c.data.tokenizer, c.model.hf_checkpoint, c.model.base_checkpoint))
+                    for c in (run, earlier))
             elif name in _PATHS:
                 ours, theirs = (os.path.abspath(p) if p else p for p in (ours, theirs))
             elif name == "targets":
@@ -438,7 +429,7 @@ def memory_check(run: RunConfig, world_size: int, platform, model_config):
     when there is no device memory to plan against (CPU without --device-memory-gb)."""
     from megatron_slmoe.plan.check import check_layout
     from megatron_slmoe.plan.settings import RunSettings
-    from megatron_slmoe.training.model_setup import resolve_precision
+    from megatron_slmoe.runtime.model import resolve_precision
 
     memory = (run.parallel.device_memory_gb * 2**30 if run.parallel.device_memory_gb
               else platform.device_memory_bytes())

@@ -1,6 +1,7 @@
 """The run as it will execute, settled once the ranks have formed their group: the output
 directory (rank 0's choice, so every rank writes into the same one), the precision of this
-platform, the tokenizer of an ``--hf-checkpoint`` (unless ``--tokenizer`` names one), and a PEFT
+platform, the tokenizer of the base (``--hf-checkpoint``'s, or the one a ``--base-checkpoint``
+was trained with) unless ``--tokenizer`` names one, and a PEFT
 ``--adapter-init`` converted to our adapter format. ``config.yaml`` records the result, so
 feeding it back repeats the run."""
 
@@ -18,13 +19,15 @@ from megatron_slmoe.training.config import RunConfig
 def resolve_run(run: RunConfig, platform) -> RunConfig:
     """Collective: every rank calls it and gets the same answer."""
     from megatron_slmoe.data.tokenizer import tokenizer_source
-    from megatron_slmoe.training.model_setup import resolve_precision
+    from megatron_slmoe.runtime.model import resolve_precision
 
     output_dir = [run.output.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
     torch.distributed.broadcast_object_list(output_dir, src=0)
     run = run.replace("output", output_dir=output_dir[0])
-    if run.model.hf_checkpoint and not run.data.tokenizer:
-        run = run.replace("data", tokenizer=tokenizer_source(None, run.model.hf_checkpoint))
+    if not run.data.tokenizer:  # the base's, recorded as a flag (the shipped one stays unset)
+        source = tokenizer_source(None, run.model.hf_checkpoint, run.model.base_checkpoint)
+        if source != tokenizer_source(None):
+            run = run.replace("data", tokenizer=source)
     run = _adapter_from_peft(run)
     return run.replace("model", precision=resolve_precision(run.model, platform))
 

@@ -77,8 +77,11 @@ def _fake_adapter(path: Path, rank: int = 8, alpha: float = 16.0, targets=None, 
     from megatron_slmoe.lora.adapter import adapter_config_json
 
     lora = LoRAConfig(rank=rank, alpha=alpha, targets=list(targets or DEFAULT_LORA_TARGETS))
-    info = {"model_config": "tiny",
-            "tokenizer_sha256": load_tokenizer(str(SHIPPED_TOKENIZER)).fingerprint, **base}
+    from megatron_slmoe.lora.adapter import base_identity
+    from megatron_slmoe.model.model_file import load_model_config
+
+    info = {**base_identity(load_model_config("tiny"), load_tokenizer(str(SHIPPED_TOKENIZER))),
+            **base}
     _write(path / "adapter_config.json", adapter_config_json(lora, info))
     save_file({"x": torch.zeros(2)}, str(path / "adapter_model.safetensors"))
     return path
@@ -156,7 +159,11 @@ def inputs(tmp_path_factory, megatron_single_rank):
     files["adapter_r16"] = _fake_adapter(root / "adapters" / "r16", rank=16)
     files["adapter_alpha"] = _fake_adapter(root / "adapters" / "alpha", alpha=4.0)
     files["adapter_targets"] = _fake_adapter(root / "adapters" / "targets", targets=["router"])
-    files["adapter_small"] = _fake_adapter(root / "adapters" / "small", model_config="small")
+    from megatron_slmoe.lora.adapter import base_identity
+    from megatron_slmoe.model.model_file import load_model_config
+
+    files["adapter_small"] = _fake_adapter(
+        root / "adapters" / "small", **base_identity(load_model_config("small")))
     files["adapter_tok"] = _fake_adapter(root / "adapters" / "tok", tokenizer_sha256="0" * 64)
     files["adapter_json"] = _fake_adapter(root / "adapters" / "json")
     _write(files["adapter_json"] / "adapter_config.json", "{not json")
@@ -243,7 +250,8 @@ ENTRY_POINT_CASES = [
     ("--base-checkpoint", ["--base-checkpoint", "{base_missing}"],
      "is damaged: __0_0.distcp is missing"),
     ("--base-checkpoint", ["--base-checkpoint", "{base_small}"], "holds model 'small'"),
-    ("--base-checkpoint", ["--base-checkpoint", "{base_tok}"],
+    # Without --tokenizer a base's own is used; a --tokenizer that is not it is refused.
+    ("--base-checkpoint", ["--base-checkpoint", "{base_tok}", "--tokenizer", str(SHIPPED_TOKENIZER)],
      "is not the tokenizer --base-checkpoint {base_tok} was trained with"),
     ("--base-checkpoint", ["--base-checkpoint", "{real_cut}"],
      "--base-checkpoint {real_cut} is damaged: {real_shard} has 100 bytes, the manifest says "
@@ -262,7 +270,7 @@ ENTRY_POINT_CASES = [
      "has lora.alpha 4.0, but --lora-alpha"),
     ("--adapter-init", ["--adapter-init", "{adapter_targets}"], "has lora.targets ['router']"),
     ("--adapter-init", ["--adapter-init", "{adapter_small}"],
-     "was trained on model config 'small'"),
+     "was trained on another model ('small') than 'tiny'"),
     ("--adapter-init", ["--adapter-init", "{adapter_tok}"], "was trained with another tokenizer"),
     ("--adapter-init", ["--adapter-init", "{adapter_json}"],
      "adapter_config.json is not valid JSON"),

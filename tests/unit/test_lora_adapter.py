@@ -154,6 +154,12 @@ def _rewrite(directory, target, tensors=None, config_text=None):
     return str(target)
 
 
+def recorded_with_tokenizer(directory, tmp_path):
+    text = open(os.path.join(directory, "adapter_config.json")).read()
+    return _rewrite(directory, tmp_path / "tokenizer", config_text=text.replace(
+        '"base_model": {', '"base_model": {"tokenizer_sha256": "%s", ' % ("a" * 64), 1))
+
+
 def test_mismatched_adapters_are_refused_with_one_line(mc, saved, tmp_path):
     from megatron_slmoe.lora.adapter import AdapterError, load_adapter
 
@@ -184,8 +190,21 @@ def test_mismatched_adapters_are_refused_with_one_line(mc, saved, tmp_path):
         fh.write(b"\x80\x04not safetensors")
     with pytest.raises(AdapterError, match="not a readable safetensors file"):
         load_adapter(model, corrupt)
-    with pytest.raises(AdapterError, match="trained on base model model_config='lora_unit'"):
-        load_adapter(model, directory, base_info={"model_config": "tiny"})
+    # The base is compared by architecture and tokenizer (an adapter without a record of
+    # either is checked by its tensors alone, above).
+    from megatron_slmoe.lora.adapter import base_identity
+    from megatron_slmoe.model.model_file import load_model_config
+
+    identity = base_identity(mc)
+    recorded = _rewrite(directory, tmp_path / "recorded", config_text=config_text.replace(
+        '"base_model": {', '"base_model": {"model_fingerprint": "%s", ' % identity[
+            "model_fingerprint"], 1))
+    load_adapter(model, recorded, base_info=identity)  # its own model, under any name
+    with pytest.raises(AdapterError, match="trained on another model .* than 'tiny'"):
+        load_adapter(model, recorded, base_info=base_identity(load_model_config("tiny")))
+    with pytest.raises(AdapterError, match="another tokenizer than this tokenizer"):
+        load_adapter(model, recorded_with_tokenizer(directory, tmp_path),
+                     base_info={"tokenizer_sha256": "b" * 64})
 
 
 def test_merge_equals_the_model_with_its_adapter(mc, saved):

@@ -29,7 +29,7 @@ def inputs(tmp_path_factory):
     """A model config file, a base dist checkpoint, an adapter, and the adapted model's logits."""
     from megatron.core import dist_checkpointing
 
-    from megatron_slmoe.lora.adapter import save_adapter
+    from megatron_slmoe.lora.adapter import base_identity, save_adapter
     from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.model.model_file import load_model_config
 
@@ -44,7 +44,7 @@ def inputs(tmp_path_factory):
     base_logits = logits(model)
     inject_lora(model, lora_config())
     randomize(model)
-    save_adapter(model, root / "adapter", lora_config(), {"model_config": mc.name})
+    save_adapter(model, root / "adapter", lora_config(), base_identity(mc))
     return {"root": root, "config": str(config_path), "mc": mc, "logits": logits(model),
             "base_logits": base_logits}
 
@@ -90,13 +90,31 @@ def test_bad_input_is_one_line_and_exit_code_2(inputs, capsys, change, needle):
 
 
 def test_adapter_for_another_base_model_is_refused(inputs, capsys, tmp_path):
+    """The adapter records its base model's architecture; one of another model is refused
+    naming both, before anything is merged."""
+    import json
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(inputs["root"] / "adapter", adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model"].update(model_config="someone_elses", model_fingerprint="0" * 64)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    assert _tool().main(_args(inputs, **{"--adapter": str(adapter),
+                                         "--output": str(tmp_path / "out")})) == 2
+    err = capsys.readouterr().err
+    assert "was trained on another model ('someone_elses') than 'merge_unit'" in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_the_same_model_under_another_name_is_its_base(inputs, capsys, tmp_path):
+    """An HF checkpoint's directory and the model file its import wrote name one model twice:
+    the adapter belongs to it whatever its config file is called."""
     other_config = tmp_path / "other_name.yaml"
     other_config.write_text(MODEL_YAML)
     assert _tool().main(_args(inputs, **{"--model-config": str(other_config),
-                                         "--output": str(tmp_path / "out")})) == 2
-    err = capsys.readouterr().err
-    assert "trained on base model model_config='merge_unit', not 'other_name'" in err, err
-    assert not os.path.exists(tmp_path / "out")
+                                         "--output": str(tmp_path / "out")})) == 0, \
+        capsys.readouterr().err
 
 
 def test_the_model_config_comes_from_the_base(inputs, capsys, tmp_path):

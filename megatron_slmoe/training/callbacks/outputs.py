@@ -26,13 +26,13 @@ class AdapterExport(Callback):
         self.export_hf, self.export_hf_layout = export_hf, export_hf_layout
 
     def finish(self, ctx: RunContext, summary: dict) -> None:
-        from megatron_slmoe.lora.adapter import save_adapter
+        from megatron_slmoe.lora.adapter import base_identity, save_adapter
+        from megatron_slmoe.storage.urls import is_object_url
 
-        base = {"model_config": ctx.model_config.name,
-                "base_checkpoint": self.model.base_checkpoint,
-                "hf_checkpoint": self.model.hf_checkpoint,
-                "tokenizer_sha256": ctx.tokenizer.fingerprint,
-                "tokenizer_vocab_size": ctx.tokenizer.vocab_size}
+        where = {flag: path if path is None or is_object_url(path) else os.path.abspath(path)
+                 for flag, path in (("base_checkpoint", self.model.base_checkpoint),
+                                    ("hf_checkpoint", self.model.hf_checkpoint))}
+        base = {**base_identity(ctx.model_config, ctx.tokenizer), **where}
         adapter_dir = save_adapter([ctx.model], os.path.join(ctx.output_dir, "adapter"),
                                    self.lora, base)
         summary["adapter_dir"] = adapter_dir
