@@ -34,17 +34,25 @@ from typing import Optional
 from megatron_slmoe.commands.cli import BadInput, user_errors
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.parallel.layout import layout_problem
-from megatron_slmoe.training.cli import LAYOUT_FLAGS, add_run_flags, run_section
+from megatron_slmoe.training.cli import LAYOUT_FLAGS, OneLineParser, add_run_flags, run_section
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="slmoe-generate", description=__doc__.splitlines()[0])
-    model = parser.add_argument_group("model")
-    add_run_flags(model, "model.config", "model.base_checkpoint", required=["model.base_checkpoint"],
+    parser = OneLineParser(prog="slmoe-generate", description=__doc__.splitlines()[0])
+    model = parser.add_argument_group("model (one of --base-checkpoint and --hf-checkpoint)")
+    add_run_flags(model, "model.base_checkpoint", "model.hf_checkpoint", "model.config",
+                  defaults={"model.config": None},
                   helps={"model.base_checkpoint": "Megatron dist checkpoint directory of the base "
-                                                  "model"})
+                                                  "model (a --save-base or slmoe-convert-hf "
+                                                  "import output)",
+                         "model.hf_checkpoint": "Hugging Face checkpoint directory of the base "
+                                                "model (config.json, safetensors, tokenizer)",
+                         "model.config": "model config name or YAML file (default: the one the "
+                                         "base checkpoint records)"})
     model.add_argument("--adapter", help="LoRA adapter directory (default: the base alone)")
-    add_run_flags(model, "data.tokenizer", "model.precision")
+    add_run_flags(model, "data.tokenizer", "model.precision",
+                  helps={"data.tokenizer": "tokenizer.json or a checkpoint directory (default: "
+                                           "the base's)"})
     io = parser.add_argument_group("prompts and answers")
     io.add_argument("--prompts", required=True, help="JSON lines of prompts (see above)")
     io.add_argument("--output", required=True, help="JSON lines of answers, in prompt order")
@@ -103,12 +111,14 @@ def read_prompts(path: str) -> list[list[dict]]:
 
 def _check_args(args: argparse.Namespace, world_size: int):
     """(model section, parallel section) of the command line, checked by the run
-    configuration's own rules, and the layout against the world size."""
-    for flag, path in (("--base-checkpoint", args.base_checkpoint), ("--adapter", args.adapter)):
+    configuration's own rules, and the files and the layout; nothing is read yet."""
+    for flag, path in (("--base-checkpoint", args.base_checkpoint),
+                       ("--hf-checkpoint", args.hf_checkpoint), ("--adapter", args.adapter)):
         if path is not None and not os.path.isdir(path):
             raise BadInput(f"{flag} {path}: no such directory")
     if args.tokenizer is not None and not os.path.exists(args.tokenizer):
         raise BadInput(f"--tokenizer {args.tokenizer}: no such file or directory")
+    _check_output(args.output, args.prompts)
     for flag, value in (("--max-new-tokens", args.max_new_tokens),
                         ("--batch-size", args.batch_size)):
         if value < 1:
@@ -122,44 +132,52 @@ def _check_args(args: argparse.Namespace, world_size: int):
     return model, parallel
 
 
+def _check_output(output: str, prompts: str) -> None:
+    """The answers go to a new or existing file that is not the prompts, in a folder that is."""
+    if os.path.exists(prompts) and os.path.exists(output) and os.path.samefile(output, prompts):
+        raise BadInput(f"--output {output} is the --prompts file: the answers would replace "
+                       f"the prompts (name another file)")
+    if os.path.isdir(output):
+        raise BadInput(f"--output {output} is a directory (name a file to write the answers to)")
+    folder = os.path.dirname(os.path.abspath(output))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise BadInput(f"--output {output}: {folder} is not a directory")
+
+
 # --- the run -------------------------------------------------------------------------------------
 
 
-def _build(args: argparse.Namespace, model_section, parallel, platform):
+def _build(args: argparse.Namespace, base, parallel, platform):
     """This rank's stage of the base model (+ adapter), ready to generate."""
-    from megatron_slmoe.lora.adapter import (
-        AdapterError,
-        load_adapter,
-        read_adapter_config,
-    )
+    from megatron_slmoe.lora.adapter import AdapterError, load_adapter, read_adapter_config
     from megatron_slmoe.lora.inject import inject_lora
-    from megatron_slmoe.model.model_file import load_model_config
-    from megatron_slmoe.training import model_setup
+    from megatron_slmoe.runtime import model as runtime
 
-    model_config = load_model_config(model_section.config)
-    precision = model_setup.resolve_precision(model_section, platform)
+    precision = runtime.resolve_precision(base.section, platform)
     if "WORLD_SIZE" not in os.environ:  # a plain process, not under torchrun
         from megatron_slmoe.platform.single_rank import init_single_rank
 
         init_single_rank(args.seed)
-    model_setup.init_distributed(parallel, args.seed, platform)
-    model, _ = model_setup.build_model(model_config, parallel, precision == "bf16", platform)
+    runtime.init_distributed(parallel, args.seed, platform)
+    model, _ = runtime.build_model(base.model_config, parallel, precision == "bf16", platform,
+                                   initialize=False)
     try:
-        model_setup.load_base_weights(model, model_section)
+        runtime.load_base_weights(model, base.section, base.hf)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # noqa: BLE001  (torch's CheckpointException is a BaseException)
-        raise BadInput(f"cannot load --base-checkpoint {args.base_checkpoint} as model config "
-                       f"{model_config.name}: {type(err).__name__}: "
+        where = args.base_checkpoint or args.hf_checkpoint
+        raise BadInput(f"cannot load the base model {where} as model config "
+                       f"{base.model_config.name}: {type(err).__name__}: "
                        f"{' '.join(str(err).split())[:300]}") from None
     if args.adapter:
         try:
             lora_config, _ = read_adapter_config(args.adapter)
             inject_lora([model], lora_config)
-            load_adapter([model], args.adapter, base_info={"model_config": model_config.name})
+            load_adapter([model], args.adapter)  # its base was checked before
         except AdapterError as err:
             raise BadInput(" ".join(str(err).split())) from None
-    return model, model_config
+    return model
 
 
 def generate(args: argparse.Namespace) -> dict:
@@ -169,7 +187,8 @@ def generate(args: argparse.Namespace) -> dict:
 
     from megatron_slmoe.platform import apply_adaptor
     from megatron_slmoe.data.errors import DataError
-    from megatron_slmoe.data.tokenizer import load_tokenizer, tokenizer_source
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.runtime.bases import check_adapter, open_base
     from megatron_slmoe.inference import SamplingConfig, TextGenerator
     from megatron_slmoe.data.scoring import exact_match
     from megatron_slmoe.training.evaluation import answer, request_for, share_of
@@ -179,18 +198,25 @@ def generate(args: argparse.Namespace) -> dict:
     model_section, parallel = _check_args(args, world_size)
     try:
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        tokenizer = load_tokenizer(tokenizer_source(args.tokenizer))
-    except (ValueError, DataError) as err:
+        base = open_base(base_checkpoint=model_section.base_checkpoint,
+                         hf_checkpoint=model_section.hf_checkpoint,
+                         model_config=model_section.config if args.model_config else None,
+                         tokenizer=args.tokenizer, adapter=args.adapter)
+        tokenizer = load_tokenizer(base.tokenizer)
+        if args.adapter:
+            check_adapter(args.adapter, base.model_config, tokenizer)
+    except (ValueError, DataError) as err:  # ConfigError is a ValueError
         raise BadInput(str(err)) from None
     conversations = read_prompts(args.prompts)
     requests = [request_for(tokenizer, m, args.max_new_tokens) for m in conversations]
-    model, model_config = _build(args, model_section, parallel, apply_adaptor())
+    model_config = base.model_config
     for number, request in enumerate(requests):
         length = len(request.prompt_ids) + request.max_new_tokens
         if length > model_config.max_sequence_length:
             raise BadInput(f"prompt {number} has {len(request.prompt_ids)} tokens; with "
                            f"--max-new-tokens {request.max_new_tokens} that exceeds the model's "
                            f"max_sequence_length {model_config.max_sequence_length}")
+    model = _build(args, base, parallel, apply_adaptor())
 
     dp_rank = parallel_state.get_data_parallel_rank()
     share = share_of(len(requests), dp_rank, parallel_state.get_data_parallel_world_size())

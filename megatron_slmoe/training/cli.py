@@ -32,7 +32,7 @@ from megatron_slmoe.config.types import describe, is_list, is_optional, literal_
 from megatron_slmoe.utils.redact import redact_mapping
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse's own errors (an unknown flag, a value that is not an int) as one line, exit 2;
     usage is for --help."""
 
@@ -53,7 +53,7 @@ _METAVARS = {int: "N", float: "X", str: "VALUE"}
 
 
 def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=prog, description=description, allow_abbrev=False,
+    parser = OneLineParser(prog=prog, description=description, allow_abbrev=False,
                             usage="%(prog)s [--config YAML] [flags]",
                             argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", metavar="YAML",

@@ -10,9 +10,15 @@ from typing import Any, Iterator, Union
 def numbered_records(path: str,
                      errors: str = "strict") -> Iterator[tuple[int, Union[Any, ValueError]]]:
     """(1-based line number, the line's JSON value or the ValueError that parsing raised) of every
-    non-blank line of ``path``; ``errors`` is ``open``'s decoding policy."""
-    with open(path, encoding="utf-8", errors=errors) as handle:
-        for number, line in enumerate(handle, start=1):
+    non-blank line of ``path``; ``errors`` is the UTF-8 decoding policy (a line that does not
+    decode is a ValueError like any other bad line, not the end of the file)."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8", errors=errors)
+            except UnicodeDecodeError as err:
+                yield number, ValueError(f"not UTF-8 text ({err.reason} at byte {err.start})")
+                continue
             if not line.strip():
                 continue
             try:
