@@ -1,7 +1,6 @@
 """The main job as a user runs it: `bash scripts/pretrain_lora.sh` with no arguments pretrains
-the tiny base (2 CPU processes, EP 2), LoRA fine-tunes it on the shipped task, the held-out loss
-drops, and the summary reports accuracy, routing health and the pictures it wrote. Shortened
-through the demo's iteration variables; the full demo (>= 90% exact match) is the README's. One
+the tiny base (2 CPU processes, EP 2), LoRA fine-tunes it on the shipped task, and the summary
+reports the held-out accuracy the README states, routing health and the pictures it wrote. One
 flag that is not a base (`--output-dir` alone) is refused in one line instead of LoRA-tuning
 random weights."""
 
@@ -12,6 +11,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+README_ACCURACY = 199 / 200
+"""The demo's held-out exact match after training, as the README's table states it."""
+
 
 def _run(args, env_extra, timeout=900):
     env = {**os.environ, **env_extra}
@@ -19,25 +21,24 @@ def _run(args, env_extra, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_demo_pretrains_a_base_then_lora_lowers_the_held_out_loss(tmp_path):
-    proc = _run([], {"SLMOE_DEMO_DIR": str(tmp_path / "demo"), "SLMOE_DEMO_BASE_ITERS": "60",
-                     "SLMOE_DEMO_LORA_ITERS": "60"})
+def test_the_demo_reaches_the_accuracy_the_readme_states(tmp_path):
+    proc = _run([], {"SLMOE_DEMO_DIR": str(tmp_path / "demo")}, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = sorted((tmp_path / "demo").glob("lora-*"))
     assert len(runs) == 1
     summary = json.loads((runs[0] / "summary.json").read_text())
-    assert summary["steps"] == 60
-    assert summary["eval_loss_after"] < 0.8 * summary["eval_loss_before"], summary
+    assert summary["steps"] == 300
+    assert summary["accuracy_before"] == 0.0
+    assert summary["accuracy_after"] >= README_ACCURACY, summary
+    assert summary["eval_loss_after"] < 0.1 * summary["eval_loss_before"], summary
     adapter = Path(summary["adapter_dir"])
-    assert (adapter / "adapter_model.safetensors").is_file()
+    assert adapter.is_absolute() and (adapter / "adapter_model.safetensors").is_file()
     assert (adapter / "adapter_config.json").is_file()
     assert (runs[0] / "metrics.jsonl").is_file() and (runs[0] / "checkpoints" / "latest").is_file()
-    assert 0.0 <= summary["accuracy_before"] <= summary["accuracy_after"] <= 1.0
-    assert isinstance(summary["collapse_warnings"], int)
-    assert isinstance(summary["dead_experts_end"], int)
+    assert summary["collapse_warnings"] == 0 and summary["dead_experts_end"] == 0, summary
     assert {Path(p).name for p in summary["plots"]} >= {"loss.png", "accuracy.png",
                                                         "expert_load.png", "routing_drift.png"}
-    assert all(Path(p).is_file() for p in summary["plots"])
+    assert all(Path(p).is_absolute() and Path(p).is_file() for p in summary["plots"])
     assert f"pictures: {runs[0] / 'plots'}" in proc.stdout
 
 
