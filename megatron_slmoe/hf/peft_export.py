@@ -174,6 +174,34 @@ def plan_targets(loras: list[HFLoRA], hf: HFModel, meta, layout: str) -> list[Pe
     return _nest(targets, modules)
 
 
+def per_expert_export_problem(hf: HFModel, lora_targets) -> Optional[str]:
+    """Why a per-expert PEFT export of LoRA on ``lora_targets`` of this model cannot work, found
+    before training (the export itself refuses the same in ``plan_targets``), or None: PEFT
+    converts a per-expert adapter of some model types (Qwen2/3-MoE, DeepSeek) to its fused
+    experts, and reads every gate/up/down projection target then as expert LoRA, dense and
+    shared MLPs included."""
+    conversion = _peft_conversion(hf)
+    if not conversion:
+        return None
+    meta = hf_meta_model(hf)
+    params = dict(meta.named_parameters())
+    expert_targets = {old for old, new in conversion.items()
+                      if any(p.endswith(f".experts.{new}") for p in params)}
+    for name in params:
+        module = name.rpartition(".")[0]
+        if ".experts." in name or module.rpartition(".")[2] not in expert_targets:
+            continue
+        shared = "shared_expert" in module
+        wanted = {"shared_experts"} if shared else {"linear_fc1", "linear_fc2"}
+        if wanted & set(lora_targets):
+            flag = "shared_experts" if shared else "linear_fc1/linear_fc2"
+            return (f"PEFT {_peft_version()} reads every {module.rpartition('.')[2]} target of a "
+                    f"per-expert adapter of {type(meta).__name__} as expert LoRA, so LoRA on "
+                    f"{module} ({flag} of --lora-target-modules) cannot be exported per expert: "
+                    f"use --export-hf-layout fused, or leave {flag} out of the targets")
+    return None
+
+
 def _peft_version() -> str:
     from importlib.metadata import version
 

@@ -19,6 +19,7 @@ has, a factor whose shape disagrees with the base.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from megatron_slmoe.hf.peft_export import (
 )
 from megatron_slmoe.hf.safetensors_stream import PlannedTensor, write_streamed
 
+
+log = logging.getLogger(__name__)
 
 
 def is_peft_adapter(directory: str) -> bool:
@@ -180,6 +183,26 @@ def megatron_modules(hf: HFModel, weights: dict) -> list[tuple[str, str, int, in
     return found
 
 
+def _warn_if_another_base(config: dict, hf: HFModel, peft_dir: str) -> None:
+    """A PEFT adapter names the base it was made for; a different one may still fit every shape
+    (a sibling checkpoint, another vocabulary without LoRA on the embedding), so say so."""
+    named = config.get("base_model_name_or_path")
+    if not named:
+        return
+    directory = os.path.abspath(hf.checkpoint.directory)
+    try:
+        with open(hf.checkpoint.config_path, encoding="utf-8") as f:
+            own = json.load(f).get("_name_or_path")
+    except (OSError, ValueError):
+        own = None
+    if named in (directory, own) or os.path.basename(named.rstrip("/")) == os.path.basename(
+            directory):
+        return
+    log.warning("PEFT adapter %s was made for base %r, and is loaded onto %s%s: its shapes fit, "
+                "but check that it is the model it was trained on", peft_dir, named, directory,
+                f" ({own})" if own else "")
+
+
 def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float] = None) -> str:
     """Write the megatron_slmoe adapter of the PEFT adapter ``peft_dir`` for the HF base
     ``hf_dir`` into the new (or empty) directory ``output``; returns its path."""
@@ -198,6 +221,7 @@ def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float]
 
     config = read_peft_config(peft_dir)
     hf = hf_dir if isinstance(hf_dir, HFModel) else open_hf_checkpoint(hf_dir, check_shapes=False)
+    _warn_if_another_base(config, hf, peft_dir)
     meta = hf_meta_model(hf)
     weights = {}
     for name, tensor in meta.state_dict(keep_vars=True).items():

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_slmoe.hf.errors import HFCheckpointError
 from megatron_slmoe.utils.atomic import fsync_path
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -57,7 +58,12 @@ class WindowedReader:
         if self._handle is not None and self._read > self.unmap_after_bytes:
             self.close()
         if self._handle is None:
-            self._handle, self._read = safe_open(self.path, framework="pt", device="cpu"), 0
+            try:
+                self._handle, self._read = safe_open(self.path, framework="pt", device="cpu"), 0
+            except Exception as err:  # noqa: BLE001  (safetensors raises untyped errors)
+                reason = " ".join(str(err).split())[:200]
+                raise HFCheckpointError(f"{self.path}: not a readable safetensors file "
+                                        f"({reason}; truncated or damaged?)") from None
         return self._handle
 
     def keys(self):

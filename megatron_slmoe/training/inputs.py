@@ -63,6 +63,8 @@ def _check_paths(run: RunConfig) -> None:
     if export and os.path.lexists(export) and (not os.path.isdir(export) or os.listdir(export)):
         raise ConfigError(f"--export-hf {export} exists and is not an empty directory (the "
                           f"adapter is written there at the end of the run)")
+    if export and model.hf_checkpoint and run.output.export_hf_layout == "per-expert":
+        _check_peft_export(run)
     if model.adapter_init and not model.hf_checkpoint:
         from megatron_slmoe.hf.peft_import import is_peft_adapter
 
@@ -75,6 +77,20 @@ def _check_paths(run: RunConfig) -> None:
         for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
             if path and not is_object_url(path) and not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file")
+
+
+def _check_peft_export(run: RunConfig) -> None:
+    """What the end of the run will export must be exportable: found now, not after training."""
+    from megatron_slmoe.hf import HFCheckpointError, open_hf_checkpoint
+    from megatron_slmoe.hf.peft_export import per_expert_export_problem
+
+    try:
+        hf = open_hf_checkpoint(run.model.hf_checkpoint, check_shapes=False)
+    except HFCheckpointError:
+        return  # the checkpoint's own check names its problem
+    problem = per_expert_export_problem(hf, run.lora.targets)
+    if problem:
+        raise ConfigError(f"--export-hf {run.output.export_hf}: {problem}")
 
 
 def _check_base_model(run: RunConfig) -> None:
@@ -243,8 +259,17 @@ def _check_adapter_init(run: RunConfig, model_config, tokenizer) -> None:
     )
 
     path = run.model.adapter_init
-    if not path or is_object_url(path) or (run.model.hf_checkpoint and is_peft_adapter(path)):
-        return  # a PEFT adapter is checked against the HF base when it is read
+    if not path or is_object_url(path):
+        return
+    if run.model.hf_checkpoint and is_peft_adapter(path):  # converted at start-up
+        from megatron_slmoe.hf import HFCheckpointError
+        from megatron_slmoe.hf.peft_import import read_peft_config
+
+        try:
+            read_peft_config(path)  # what it is (plain LoRA); its tensors when it is converted
+        except HFCheckpointError as err:
+            raise ConfigError(f"--adapter-init {path}: {err}") from None
+        return
     flag = f"--adapter-init {path}"
     try:
         lora, base = read_adapter_config(path)
