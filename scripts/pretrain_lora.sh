@@ -192,13 +192,18 @@ SETTINGS=("${MODEL_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${MOE_ARGS[@]}" "${LOR
 # --- one run --------------------------------------------------------------------------------------
 ENV_SHOWN=0
 PREFLIGHT_DONE=0
+INPUTS_PENDING=0  # a dry run of the demo: what a step reads is made by an earlier step
 finetune() {
     local args=("${SETTINGS[@]}" "$@")
     # Reject bad arguments once, in one line, before any process group is formed; a run that
     # has already finished says so (exit code 3) and nothing starts.
     local checked=0
-    WORLD_SIZE=$((NPROC_PER_NODE * NNODES)) python -m megatron_slmoe.training.finetune \
-        --validate-only "${args[@]}" || checked=$?
+    if [ "$DRY_RUN" = 1 ] && [ "$INPUTS_PENDING" = 1 ]; then
+        echo "# (checked when it starts: what it reads is made by a step above)"
+    else
+        WORLD_SIZE=$((NPROC_PER_NODE * NNODES)) python -m megatron_slmoe.training.finetune \
+            --validate-only "${args[@]}" || checked=$?
+    fi
     if [ "$checked" = 3 ]; then return 0; elif [ "$checked" != 0 ]; then exit "$checked"; fi
     local log_dir node log rc=0
     log_dir=$(slmoe_last_value --output-dir "${args[@]}")
@@ -245,7 +250,20 @@ finetune() {
         fi
         PREFLIGHT_DONE=1
     fi
+    local started
+    started=$(date +%s)
     slmoe_run_logged "$log" "${train[@]}" || rc=$?
+    if [ "$rc" != 0 ]; then
+        # A rank that met bad input (one a restart cannot cure) stopped torchrun's restarts and
+        # left its one line (megatron_slmoe.training.lifeline.end_job_for_input_error).
+        local reason
+        reason=$(python -m megatron_slmoe.training.lifeline --input-error "$log_dir" \
+                 --since "$started" 2>/dev/null) || reason=""
+        if [ -n "$reason" ]; then
+            echo "error: $reason" >&2
+            exit 2
+        fi
+    fi
     return "$rc"
 }
 
@@ -262,6 +280,9 @@ if [ "$DEMO" = image-text ]; then
     if [ ! -d "$demo/data" ] && [ "$DRY_RUN" = 0 ]; then
         echo "[demo] generating the synthetic shapes task -> $demo/data"
         python -m megatron_slmoe.data.shapes --out "$demo/data" >/dev/null
+    elif [ ! -d "$demo/data" ]; then
+        echo "# python -m megatron_slmoe.data.shapes --out $demo/data"
+        INPUTS_PENDING=1
     fi
     if [ ! -f "$demo/base/metadata.json" ]; then
         echo "[demo] pretraining the tiny vision + language base on captions -> $demo/base"
@@ -269,6 +290,7 @@ if [ "$DEMO" = image-text ]; then
             --train-iters "$base_iters" --lr 3e-3 --lr-warmup-iters 10 \
             --eval-interval "$base_iters" --save-interval "$base_iters" \
             --output-dir "$demo/base-run" --no-resume --save-base "$demo/base"
+        INPUTS_PENDING=1
     else
         echo "[demo] reusing the base model in $demo/base"
     fi
@@ -297,6 +319,7 @@ if [ ! -f "$demo/base/metadata.json" ]; then
     finetune --finetune-mode full --data-format pretrain --train-iters "$base_iters" \
         --lr 3e-3 --lr-warmup-iters 10 --eval-interval 100 --save-interval "$base_iters" \
         --output-dir "$demo/base-run" --no-resume --save-base "$demo/base"
+    INPUTS_PENDING=1
 else
     echo "[demo] reusing the base model in $demo/base"
 fi

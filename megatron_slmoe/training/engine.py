@@ -262,6 +262,10 @@ class Engine:
             self.stop(f"{type(err).__name__}: {first_line}")
             if self.checkpoints is not None:
                 self.checkpoints.close(abort=True)
+            if isinstance(err, input_errors()) and self.run_config.output.output_dir:
+                from megatron_slmoe.training.lifeline import end_job_for_input_error
+
+                end_job_for_input_error(self.run_config.output.output_dir, str(err))
             if not _is_out_of_memory(err):
                 raise
             log.error("[finetune] rank %d: %s", torch.distributed.get_rank(),
@@ -371,6 +375,20 @@ class Engine:
         if check is None:
             return f"out of memory: {str(err).splitlines()[0]} (no device memory to plan against)"
         return format_oom_report(check, err)
+
+
+def input_errors() -> tuple[type, ...]:
+    """Errors of bad input (a damaged data shard, an adapter that does not fit, a stored object
+    that is not there): a restart would meet them again."""
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.hf.errors import HFCheckpointError
+    from megatron_slmoe.lora.adapter import AdapterError
+    from megatron_slmoe.storage.errors import AccessDeniedError, BucketNotFoundError, \
+        ObjectNotFoundError, StorageConfigError
+
+    return (ConfigError, DataError, HFCheckpointError, AdapterError, AccessDeniedError,
+            BucketNotFoundError, ObjectNotFoundError, StorageConfigError)
 
 
 def _is_out_of_memory(err: BaseException) -> bool:

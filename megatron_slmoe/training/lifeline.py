@@ -7,16 +7,24 @@ A worker watches its parent and exits once the parent is gone (it is then re-par
 
 SIGTERM (torchrun stopping the other ranks after one failed, or a person) ends a worker at once,
 even while its main thread waits inside a collective, after a last word for the next attempt.
+
+Bad input that a run meets only once it has started (a damaged data shard, an adapter that does
+not fit) would fail every restart the same way: the rank that meets it records its one line in
+``<output dir>/attempts/input_error.json`` and stops its torchrun agent, which ends the job
+instead of spending the restart budget; the launcher prints that line and exits with code 2
+(``python -m megatron_slmoe.training.lifeline --input-error DIR --since TIME``).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 ORPHAN_EXIT_CODE = 1
 TERMINATED_EXIT_CODE = 128 + signal.SIGTERM
@@ -79,3 +87,53 @@ def on_sigterm(last_word: Callable[[], None]) -> None:
 def _default_sigterm() -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+INPUT_ERROR_FILE = os.path.join("attempts", "input_error.json")
+
+
+def end_job_for_input_error(output_dir: str, message: str) -> None:
+    """Record ``message`` (one line; the first rank's stays) and stop this node's torchrun agent
+    so that it does not restart the job; the caller then exits with its error."""
+    from megatron_slmoe.utils.atomic import write_json_atomic
+
+    path = os.path.join(output_dir, INPUT_ERROR_FILE)
+    try:
+        if not os.path.exists(path):
+            write_json_atomic(path, {"error": " ".join(message.split()), "time": time.time(),
+                                     "pid": os.getpid()})
+    except OSError:
+        pass  # the output directory itself may be the problem: the error still ends the job
+    if under_torchrun():
+        try:
+            os.kill(os.getppid(), signal.SIGTERM)
+        except OSError:
+            pass
+
+
+def input_error(output_dir: str, since: float = 0.0) -> Optional[str]:
+    """The one line of the bad input that ended a job started at ``since`` in ``output_dir``."""
+    try:
+        with open(os.path.join(output_dir, INPUT_ERROR_FILE), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("time", 0) < since:
+        return None
+    return record.get("error")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="the launcher's reading of a job's end")
+    parser.add_argument("--input-error", metavar="OUTPUT_DIR", required=True)
+    parser.add_argument("--since", type=float, default=0.0, help="the job's start (epoch s)")
+    args = parser.parse_args(argv)
+    message = input_error(args.input_error, args.since)
+    if message is None:
+        return 1
+    print(message)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.training.config import RunConfig
 
 
@@ -48,12 +49,12 @@ def _adapter_from_peft(run: RunConfig) -> RunConfig:
             if os.path.isdir(converted):  # a rerun converts afresh
                 shutil.rmtree(converted)
             peft_to_adapter(source, run.model.hf_checkpoint, converted, dropout=run.lora.dropout)
-        except (OSError, ValueError) as err:
-            error = f"--adapter-init {source}: {err}"
+        except Exception as err:  # noqa: BLE001  (every rank must hear of it, whatever it is)
+            error = f"--adapter-init {source}: {' '.join(str(err).split()) or type(err).__name__}"
     status = [error]
     torch.distributed.broadcast_object_list(status, src=0)
     if status[0]:
-        raise RuntimeError(status[0])
+        raise ConfigError(status[0])
     lora, _ = read_adapter_config(converted)
     run = run.replace("lora", rank=lora.rank, alpha=lora.alpha, targets=list(lora.targets))
     return run.replace("model", adapter_init=converted)

@@ -142,3 +142,29 @@ def test_an_export_peft_cannot_read_is_refused_before_start_up(path, tmp_path):
     (line,) = proc.stderr.strip().splitlines()
     assert "cannot be exported per expert: use --export-hf-layout fused" in line, line
     assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_met_after_start_ends_the_job_without_restarts(path, tmp_path):
+    """A PEFT --adapter-init with LoRA on a weight no Megatron target maps to passes the checks
+    before start-up (they read its config) and fails its conversion on start: the job ends at
+    once with that one line and exit code 2, torchrun's restart budget untouched."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path["hf"], dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["lm_head"]))
+    peft.save_pretrained(tmp_path / "lm-head-lora")
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        ["bash", "scripts/pretrain_lora.sh", "--adapter-init", str(tmp_path / "lm-head-lora"),
+         "--train-data", str(path["root"] / "task.jsonl"), "--valid-data",
+         str(path["root"] / "task.jsonl"), "--seq-length", "64", "--train-iters", "2",
+         "--lr-warmup-iters", "0",
+         "--global-batch-size", "4", "--micro-batch-size", "2", "--output-dir", str(out)],
+        cwd=REPO, env=_env(HF_CHECKPOINT=str(path["hf"]), EP="2", NPROC_PER_NODE="2",
+                           MAX_RESTARTS="3"),
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --adapter-init ") and "lm_head" in last, last
+    assert "will restart worker group" not in proc.stdout + proc.stderr

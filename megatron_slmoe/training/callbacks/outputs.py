@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.model.config import ModelSection
 from megatron_slmoe.training.callbacks.base import Callback, RunContext
@@ -51,12 +52,12 @@ class AdapterExport(Callback):
                 export_peft_adapter(adapter_dir, self.model.hf_checkpoint, self.export_hf,
                                     layout=self.export_hf_layout)
                 ctx.info(f"[finetune] PEFT adapter: {self.export_hf}")
-            except (OSError, ValueError) as err:
+            except Exception as err:  # noqa: BLE001  (every rank must hear of it)
                 error = f"--export-hf {self.export_hf}: {err}"
         status = [error]
         torch.distributed.broadcast_object_list(status, src=0)
         if status[0]:
-            raise RuntimeError(status[0])
+            raise ConfigError(status[0])
 
 
 class BaseExport(Callback):
