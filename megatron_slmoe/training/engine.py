@@ -16,6 +16,7 @@ record sink (rank 0), one record per step filled in by the callbacks.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Optional, Sequence
@@ -34,6 +35,14 @@ from megatron_slmoe.training.config import RunConfig
 from megatron_slmoe.training.tasks.base import Task
 
 log = logging.getLogger("megatron_slmoe.training")
+
+NON_FINITE_CAUSES = ("NaN or Inf in the base weights, a data batch, or a learning rate too "
+                     "high for it (lower --lr, or raise --lr-warmup-iters)")
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or a gradient became NaN or infinite: the run stops at that step (a restart would
+    replay it)."""
 
 
 def build_task(run: RunConfig) -> Task:
@@ -216,7 +225,16 @@ class Engine:
         microbatches = self.microbatches(ctx.train, ctx.consumed_samples)
         self.callbacks.before_step(ctx, microbatches)
         loss = self._run_schedule(microbatches, forward_only=False)
+        step = ctx.iteration + 1
+        if not math.isfinite(loss):  # before the optimizer makes the weights NaN too
+            raise NonFiniteError(f"step {step}: the training loss is {loss}; the run stops "
+                                 f"before its optimizer step (the newest checkpoint is intact): "
+                                 f"{NON_FINITE_CAUSES}")
         update_ok, grad_norm, _ = ctx.optimizer.step()
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            raise NonFiniteError(f"step {step}: the gradient norm is {grad_norm} (loss {loss:.4f})"
+                                 f"; the run stops without saving this step (the newest "
+                                 f"checkpoint is intact): {NON_FINITE_CAUSES}")
         if update_ok:
             ctx.scheduler.step(increment=1)
         ctx.iteration += 1
@@ -239,6 +257,9 @@ class Engine:
     def _evaluate(self, when: str, record: Optional[dict] = None) -> dict:
         record = {"iteration": self.ctx.iteration} if record is None else record
         record["eval_loss"] = self.evaluate()
+        if when == BEFORE and not math.isfinite(record["eval_loss"]):
+            raise NonFiniteError(f"the held-out loss before training is {record['eval_loss']}: "
+                                 f"the model's weights hold NaN or Inf (its base checkpoint?)")
         self.callbacks.evaluate(self.ctx, record, when)
         if when == BEFORE:
             self.eval_before = record["eval_loss"]
@@ -261,7 +282,9 @@ class Engine:
             first_line = (str(err).splitlines() or [""])[0]
             self.stop(f"{type(err).__name__}: {first_line}")
             if self.checkpoints is not None:
-                self.checkpoints.close(abort=True)
+                # Every rank meets a non-finite loss at the same step (it is reduced): the
+                # checkpoint in flight, of an earlier step, is finished; otherwise left unfinished.
+                self.checkpoints.close(abort=not isinstance(err, NonFiniteError))
             if isinstance(err, input_errors()) and self.run_config.output.output_dir:
                 from megatron_slmoe.training.lifeline import end_job_for_input_error
 
@@ -378,8 +401,9 @@ class Engine:
 
 
 def input_errors() -> tuple[type, ...]:
-    """Errors of bad input (a damaged data shard, an adapter that does not fit, a stored object
-    that is not there): a restart would meet them again."""
+    """Errors a restart would meet again: bad input (a damaged data shard, an adapter that does
+    not fit, a stored object that is not there) and a loss gone NaN (replayed from the newest
+    checkpoint, it goes NaN again)."""
     from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.data.errors import DataError
     from megatron_slmoe.hf.errors import HFCheckpointError
@@ -388,7 +412,7 @@ def input_errors() -> tuple[type, ...]:
         ObjectNotFoundError, StorageConfigError
 
     return (ConfigError, DataError, HFCheckpointError, AdapterError, AccessDeniedError,
-            BucketNotFoundError, ObjectNotFoundError, StorageConfigError)
+            BucketNotFoundError, ObjectNotFoundError, StorageConfigError, NonFiniteError)
 
 
 def _is_out_of_memory(err: BaseException) -> bool:

@@ -112,3 +112,58 @@ def test_a_failing_callback_ends_the_run_and_the_attempt_says_why(tmp_path):
     assert len(records) == 2
     assert all(r["reason"] == "RuntimeError: the recorder failed on purpose" and r["step"] == 2
                for r in records)
+
+
+def nan_run(args: list[str], poison_after: int) -> dict:
+    """Engine.run with one weight set to NaN after step ``poison_after`` (0: before training);
+    how the run ends and what it left for the launcher."""
+    import math
+
+    import torch
+
+    import megatron_slmoe
+    from megatron_slmoe.training.callbacks.base import Callback
+    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.finetune import parse
+    from megatron_slmoe.training.lifeline import input_error
+
+    def poison(model) -> None:
+        with torch.no_grad():
+            next(p for n, p in model.named_parameters() if "final_layernorm" in n).fill_(math.nan)
+
+    class Poison(Callback):
+        name = "poison"
+
+        def setup(self, ctx):
+            if poison_after == 0:
+                poison(ctx.model)
+
+        def after_step(self, ctx, record):
+            if ctx.iteration == poison_after:
+                poison(ctx.model)
+
+    run = parse(args).run
+    try:
+        Engine(run, megatron_slmoe.PLATFORM, callbacks=[Poison()]).run()
+        ended = None
+    except RuntimeError as err:
+        ended = str(err)
+    return {"ended": ended, "for_the_launcher": input_error(run.output.output_dir)}
+
+
+def test_a_nan_loss_stops_the_run_at_its_step_in_one_line(tmp_path):
+    """NaN weights (as a damaged base checkpoint holds them) stop the run before training; NaN
+    that appears later stops it at the step whose loss it is, before that step's update, and
+    neither is left for a restart to replay (the launcher reads the line and exits 2)."""
+    before = run_ranks(nan_run, 2, ep=2, poison_after=0,
+                       args=[*ARGS, "--train-iters", "4", "--output-dir", str(tmp_path / "a")])
+    for rank in before:
+        assert rank["ended"].startswith("the held-out loss before training is nan"), rank
+        assert rank["for_the_launcher"] == rank["ended"]
+    later = run_ranks(nan_run, 2, ep=2, poison_after=2,
+                      args=[*ARGS, "--train-iters", "4", "--output-dir", str(tmp_path / "b")])
+    for rank in later:
+        assert rank["ended"].startswith("step 3: the training loss is nan"), rank
+        assert "\n" not in rank["ended"] and rank["for_the_launcher"] == rank["ended"]
+    checkpoints = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
+    assert "iter_0000002" in checkpoints and "iter_0000004" not in checkpoints
