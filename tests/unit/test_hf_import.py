@@ -36,14 +36,27 @@ def test_import_matches_transformers(tmp_path, family, layout):
         "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0})),
     ("qwen3_moe", dict(tie_word_embeddings=True)),
+    ("nemotron_h", dict(n_shared_experts=0)),  # transformers builds the shared expert anyway
     ("qwen3_moe", dict(norm_topk_prob=False)),
     ("stable_latent_moe", dict(hidden_act="relu2", mlp_gated=False, router_expert_bias=False,
                                router_score_function="softmax", router_num_groups=None,
                                router_group_topk=None, qk_layernorm=False)),
-], ids=["deepseek-no-q-lora", "deepseek-yarn", "qwen-tied", "qwen-pre-softmax",
+], ids=["deepseek-no-q-lora", "deepseek-yarn", "qwen-tied", "nemotron-n-shared-0",
+        "qwen-pre-softmax",
         "slmoe-relu2-softmax"])
 def test_variants_match_transformers(tmp_path, family, overrides):
     model = hf_models.save_family(family, str(tmp_path), **overrides)
+    _check(str(tmp_path), model)
+
+
+def test_nemotron_h_without_n_shared_experts_keeps_its_shared_expert(tmp_path):
+    """config.json without the key: transformers' default (1) and its shared expert."""
+    import json
+
+    model = hf_models.save_family("nemotron_h", str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("n_shared_experts", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     _check(str(tmp_path), model)
 
 

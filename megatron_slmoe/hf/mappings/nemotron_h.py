@@ -99,9 +99,12 @@ class NemotronHFamily(Family):
         )
         if c.get("moe_latent_size") is not None:
             transformer["moe_latent_size"] = c.int("moe_latent_size")
-        if c.int("n_shared_experts", 0, minimum=0):
-            transformer["moe_shared_expert_intermediate_size"] = \
-                c.int("moe_shared_expert_intermediate_size")
+        # transformers builds every MoE block's shared expert, whatever n_shared_experts says
+        # (0, or no key): its width alone decides, its class default when config.json has none.
+        default = self.config_class()().moe_shared_expert_intermediate_size
+        shared = c.int("moe_shared_expert_intermediate_size", default, minimum=0)
+        if shared:
+            transformer["moe_shared_expert_intermediate_size"] = shared
         gpt = c.gpt_fields(rotary_base=None)  # NemotronH has no position embedding
         return transformer, gpt
 
