@@ -250,19 +250,19 @@ finetune() {
         fi
         PREFLIGHT_DONE=1
     fi
-    local started
-    started=$(date +%s)
-    slmoe_run_logged "$log" "${train[@]}" || rc=$?
+    # A rank that meets bad input (which a restart would meet again) leaves its one line here and
+    # stops torchrun's restarts (megatron_slmoe.training.lifeline.end_job_for_input_error).
+    local report reason=""
+    report=$(mktemp "${TMPDIR:-/tmp}/slmoe-end.XXXXXX")
+    SLMOE_END_REPORT="$report" slmoe_run_logged "$log" "${train[@]}" || rc=$?
     if [ "$rc" != 0 ]; then
-        # A rank that met bad input (one a restart cannot cure) stopped torchrun's restarts and
-        # left its one line (megatron_slmoe.training.lifeline.end_job_for_input_error).
-        local reason
-        reason=$(python -m megatron_slmoe.training.lifeline --input-error "$log_dir" \
-                 --since "$started" 2>/dev/null) || reason=""
-        if [ -n "$reason" ]; then
-            echo "error: $reason" >&2
-            exit 2
-        fi
+        reason=$(python -m megatron_slmoe.training.lifeline --input-error "$report" \
+                 2>/dev/null) || reason=""
+    fi
+    rm -f "$report"
+    if [ -n "$reason" ]; then
+        echo "error: $reason" >&2
+        exit 2
     fi
     return "$rc"
 }

@@ -54,6 +54,7 @@ import logging
 import os
 import posixpath
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -261,9 +262,31 @@ def open_energon_split(path: str, split: str):
                         f"{reason}") from None
     if not getattr(factory, "shards", None):
         raise DataError(f"{path}: split {split!r} has no shards")
+    _check_shards(path, factory.shards)
     reader = ShardInfosITarReader(factory.path, factory.shards, part_filter=factory.part_filter,
                                   sample_filter=factory.sample_filter)
     return factory, reader
+
+
+def _check_shards(path: str, shards) -> None:
+    """Every shard is there and whole: its tar index (written when the dataset was prepared)
+    ends within the file. One DataError line naming the shard."""
+    from megatron.energon.flavors.webdataset.itar import TarIndexReader
+
+    for shard in shards:
+        tar = str(shard.path)
+        if not os.path.isfile(tar):
+            raise DataError(f"{path}: shard {shard.name} is missing")
+        try:
+            with TarIndexReader(tar) as index:
+                end = index[len(index) - 1] if len(index) else 0
+        except (OSError, IndexError, struct.error) as err:
+            raise DataError(f"{path}: shard {shard.name} has no readable index ({err}; prepare "
+                            f"the dataset again)") from None
+        size = os.path.getsize(tar)
+        if end > size:
+            raise DataError(f"{path}: shard {shard.name} is truncated: its index reaches byte "
+                            f"{end}, the file has {size} (an incomplete copy?)")
 
 
 # --- the dataset ----------------------------------------------------------------------------------
@@ -312,6 +335,18 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self._warned = 0
         logger.info("image-text data %s [%s]: %d records in %d shards", self.path, split,
                     self.records, len(self._reader.tar_filenames))
+        self.first_usable()
+
+    def first_usable(self) -> int:
+        """The first record in split order that makes a sample; DataError when none does (a
+        dataset of bad records is bad input, not an epoch of skips)."""
+        samples = self.stats.samples  # a probe, not a sample the run read
+        for record in range(self.records):
+            if self._try(record) is not None:
+                self.stats.samples = samples
+                return record
+        raise DataError(f"{self.path} [{self.split}]: no usable sample: every one of its "
+                        f"{self.records} records is bad ({self.stats.summary()})")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -367,7 +402,12 @@ class ImageTextDataset(torch.utils.data.Dataset):
             return None
 
     def _read(self, record: int):
-        raw = self.reader[record]
+        try:
+            raw = self.reader[record]
+        except Exception as err:  # noqa: BLE001  (a damaged tar: energon and tarfile errors)
+            reason = " ".join(str(err).split())[:200] or type(err).__name__
+            raise DataError(f"{self.path} [{self.split}]: {self._where(record)} cannot be read "
+                            f"({reason}): a damaged shard") from None
         if raw is None:  # excluded by split.yaml
             raise BadSample("malformed record", "excluded by the split config")
         where = f"{raw['__shard__']}: sample {raw['__key__']!r}"

@@ -96,6 +96,18 @@ class InstructionStats:
                 f"{self.packed_examples} packed into {self.rows} rows")
 
 
+def malformed_problem(stats: InstructionStats, max_fraction: float) -> Optional[str]:
+    """Why one file's records are not data to train on (empty, or more than ``max_fraction``
+    of them malformed: ``--max-malformed-fraction``), or None. The one place of this rule: the
+    checks before start-up and the dataset of every run (files from object storage too)."""
+    if stats.records == 0:
+        return "holds no records (an empty file)"
+    if stats.examples == 0 or stats.malformed > max_fraction * stats.records:
+        return (f"{stats.malformed} of {stats.records} records are malformed, more than "
+                f"--max-malformed-fraction {max_fraction:g}")
+    return None
+
+
 class MalformedRecord(ValueError):
     def __init__(self, key: str, detail: str):
         super().__init__(detail)
@@ -335,7 +347,8 @@ class InstructionDataset(torch.utils.data.Dataset):
 
     def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
                  tokenizer: Tokenizer, seq_length: int, seed: int = 1234,
-                 num_samples: Optional[int] = None, shuffle: bool = True, max_warnings: int = 20):
+                 num_samples: Optional[int] = None, shuffle: bool = True, max_warnings: int = 20,
+                 max_malformed_fraction: Optional[float] = None):
         super().__init__()
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
@@ -350,7 +363,17 @@ class InstructionDataset(torch.utils.data.Dataset):
 
         conversations: List[List[Message]] = []
         for p in self.paths:
-            conversations += read_instruction_jsonl(p, self.stats, max_warnings=max_warnings)
+            file_stats = InstructionStats()
+            conversations += read_instruction_jsonl(p, file_stats, max_warnings=max_warnings)
+            problem = (malformed_problem(file_stats, max_malformed_fraction)
+                       if max_malformed_fraction is not None else None)
+            if problem:
+                raise DataError(f"{p}: {problem}")
+            self.stats.records += file_stats.records
+            self.stats.examples += file_stats.examples
+            self.stats.malformed += file_stats.malformed
+            for reason, count in file_stats.by_reason.items():
+                self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + count
         self.conversations = conversations
         examples = [render_chat(tokenizer, m) for m in conversations]
         order = np.arange(len(examples))

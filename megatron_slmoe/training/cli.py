@@ -65,10 +65,17 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
                              "launcher does this before torchrun): 0 ready, 2 bad input, 3 the "
                              "run in --output-dir has finished")
     for section, cls in RunConfig.sections().items():
-        group = parser.add_argument_group(section, (cls.__doc__ or "").strip().split("\n")[0])
+        group = parser.add_argument_group(section, first_sentence(cls.__doc__ or ""))
         for f in settings(cls):
             _add_flag(group, section, f, hints(cls)[f.name])
     return parser
+
+
+def first_sentence(doc: str) -> str:
+    """A docstring's first sentence, whatever lines it spans (a section's line in --help)."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[:end + 1]
 
 
 def _add_flag(group, section: str, f, hint: Any, *, dest: Optional[str] = None,

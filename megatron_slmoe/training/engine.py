@@ -15,6 +15,7 @@ record sink (rank 0), one record per step filled in by the callbacks.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -285,10 +286,16 @@ class Engine:
                 # Every rank meets a non-finite loss at the same step (it is reduced): the
                 # checkpoint in flight, of an earlier step, is finished; otherwise left unfinished.
                 self.checkpoints.close(abort=not isinstance(err, NonFiniteError))
-            if isinstance(err, input_errors()) and self.run_config.output.output_dir:
+            disk_full = isinstance(err, OSError) and err.errno == errno.ENOSPC
+            if (isinstance(err, input_errors()) or disk_full) and self.run_config.output.output_dir:
                 from megatron_slmoe.training.lifeline import end_job_for_input_error
 
-                end_job_for_input_error(self.run_config.output.output_dir, str(err))
+                message = str(err)
+                if disk_full:
+                    message = (f"no space left on the device of {err.filename or 'a file the run '
+                               f'writes'} (the newest complete checkpoint is intact): free space "
+                               f"or lower --keep-last, then rerun to resume")
+                end_job_for_input_error(self.run_config.output.output_dir, message)
             if not _is_out_of_memory(err):
                 raise
             log.error("[finetune] rank %d: %s", torch.distributed.get_rank(),

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+from typing import Optional
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.training.config import RunConfig, RunFinished
@@ -44,13 +45,37 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     tokenizer = _check_tokenizer(run, model_config)
     _check_base_checkpoint(run, model_config, tokenizer)
     _check_adapter_init(run, model_config, tokenizer)
-    _check_data(run)
+    _check_data(run, tokenizer)
     _check_output_dir(run, platform)
+    _check_output_space(run, model_config, platform)
     _check_memory(run, world_size, platform, model_config)
     _check_base_model(run)  # last: a run with a specific problem hears of that one first
 
 
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_writable_dir(flag: str, path: Optional[str]) -> None:
+    """A directory a run will make or write into: not a file, under a writable directory."""
+    if not path or is_object_url(path):
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a file, not a directory")
+    existing = _nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{flag} {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {existing} is not writable")
+
+
 def _check_paths(run: RunConfig) -> None:
+    for flag, path in (("--output-dir", run.output.output_dir), ("--save-base", run.output.save_base),
+                       ("--export-hf", run.output.export_hf)):
+        check_writable_dir(flag, path)
 
     model, data = run.model, run.data
     for flag, path in (("--base-checkpoint", model.base_checkpoint),
@@ -159,6 +184,28 @@ def _check_image_text_paths(run: RunConfig) -> None:
             check_hf_vision_checkpoint(vision.checkpoint, vision)
         except HFImportError as err:
             raise ConfigError(f"--vision-checkpoint {vision.checkpoint}: {err}") from None
+
+
+def _check_image_text_data(run: RunConfig, tokenizer) -> None:
+    """Each split opens, its shards are whole, and it has a usable sample (the first good record
+    in split order; a dataset of bad records is refused, not trained on as skips)."""
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.data.image import ImagePreprocessConfig
+    from megatron_slmoe.data.image_text import ImageTextDataset
+
+    data, vision = run.data, run.vision
+    if not data.train_data:
+        return  # the shapes task, made by the run itself
+    for flag, path, split in (("--train-data", data.train_data, "train"),
+                              ("--valid-data", data.valid_data or data.train_data, "val")):
+        try:
+            ImageTextDataset(path, tokenizer, data.seq_length, split=split,
+                             image_token_index=vision.image_token_index,
+                             tokens_per_tile=vision.num_image_embeddings,
+                             preprocess=ImagePreprocessConfig.from_sections(vision, run.image_text),
+                             caption_prompt=run.image_text.caption_prompt, max_warnings=0)
+        except DataError as err:
+            raise ConfigError(f"{flag}: {err}") from None
 
 
 def _check_model_fits_run(run: RunConfig, model_config) -> None:
@@ -299,9 +346,10 @@ def _check_adapter_init(run: RunConfig, model_config, tokenizer) -> None:
                           f"({reason})") from None
 
 
-def _check_data(run: RunConfig) -> None:
+def _check_data(run: RunConfig, tokenizer) -> None:
     data = run.data
-    if data.task == "image-text":  # energon folders: checked in _check_image_text_paths
+    if data.task == "image-text":
+        _check_image_text_data(run, tokenizer)
         return
     if data.format == "pretrain":
         if data.train_data and not is_object_url(data.train_data):
@@ -326,18 +374,19 @@ def _check_indexed(prefix: str) -> None:
 
 def _check_instruction_file(flag: str, path: str, max_malformed: float) -> None:
     """Not empty, some well-formed records, and at most the allowed share of malformed ones."""
-    from megatron_slmoe.data.instruction import InstructionStats, read_instruction_jsonl
+    from megatron_slmoe.data.instruction import (
+        InstructionStats,
+        malformed_problem,
+        read_instruction_jsonl,
+    )
 
     stats = InstructionStats()
     with _first_warning("megatron_slmoe.data.instruction") as first:
         read_instruction_jsonl(path, stats, max_warnings=1)
-    if stats.records == 0:
-        raise ConfigError(f"{flag} {path} holds no records (an empty file)")
-    if stats.examples == 0 or stats.malformed > max_malformed * stats.records:
-        example = f"; the first: {first[0]}" if first else ""
-        raise ConfigError(f"{flag} {path}: {stats.malformed} of {stats.records} records are "
-                          f"malformed, more than --max-malformed-fraction {max_malformed:g}"
-                          f"{example}")
+    problem = malformed_problem(stats, max_malformed)
+    if problem:
+        example = f"; the first: {first[0]}" if first and stats.records else ""
+        raise ConfigError(f"{flag} {path}{':' if stats.records else ''} {problem}{example}")
 
 
 @contextlib.contextmanager
@@ -372,6 +421,47 @@ RESUME_MUST_MATCH = (
     ("schedule", ("global_batch_size", "seed")),
 )
 _PATHS = {"base_checkpoint", "train_data", "valid_data", "tokenizer"}
+
+
+CHECKPOINT_BYTES_PER_TRAINABLE = 4 + 8
+"""A checkpoint holds each trainable parameter in fp32 and Adam's two fp32 moments."""
+
+
+def _check_output_space(run: RunConfig, model_config, platform) -> None:
+    """The file system of --output-dir has room for the checkpoints the run keeps (and the
+    --save-base it writes): a full disk is found now, not in the middle of a save."""
+    import shutil
+
+    from megatron_slmoe.plan.devices import generic_device
+    from megatron_slmoe.plan.memory import estimate_memory
+    from megatron_slmoe.plan.model_shape import ModelShape
+    from megatron_slmoe.plan.settings import RunSettings
+    from megatron_slmoe.runtime.model import resolve_precision
+
+    out = run.output.output_dir or "runs"
+    shape = ModelShape.from_config(model_config)
+    whole = RunSettings.from_run_config(run, 1, resolve_precision(run.model, platform)).replace(
+        tp=1, pp=1, ep=1, dp=1, vision=None)
+    if run.model.finetune_mode == "full":
+        trainable = shape_params(shape)
+    else:
+        trainable = estimate_memory(shape, whole, generic_device(2**50)).stages[0].trainable_params
+    needed = trainable * CHECKPOINT_BYTES_PER_TRAINABLE * (run.output.keep_last + 1)
+    if run.output.save_base:
+        needed += shape_params(shape) * 4
+    free = shutil.disk_usage(_nearest_existing(out)).free
+    if needed > free:
+        raise ConfigError(
+            f"--output-dir {out}: its file system has {free / 2**30:.2f} GiB free; the run's "
+            f"checkpoints need about {needed / 2**30:.2f} GiB ({trainable:,} trainable parameters, "
+            f"--keep-last {run.output.keep_last}{' and --save-base' if run.output.save_base else ''}"
+            f"): free space, lower --keep-last, or write elsewhere")
+
+
+def shape_params(shape) -> int:
+    from megatron_slmoe.plan.model_shape import census
+
+    return census(shape)["total_params"]
 
 
 def _check_output_dir(run: RunConfig, platform) -> None:

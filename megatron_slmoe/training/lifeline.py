@@ -10,9 +10,9 @@ even while its main thread waits inside a collective, after a last word for the 
 
 Bad input that a run meets only once it has started (a damaged data shard, an adapter that does
 not fit) would fail every restart the same way: the rank that meets it records its one line in
-``<output dir>/attempts/input_error.json`` and stops its torchrun agent, which ends the job
-instead of spending the restart budget; the launcher prints that line and exits with code 2
-(``python -m megatron_slmoe.training.lifeline --input-error DIR --since TIME``).
+the file the launcher names (``$SLMOE_END_REPORT``) and stops its torchrun agent, which ends the
+job instead of spending the restart budget; the launcher prints that line and exits with code 2
+(``python -m megatron_slmoe.training.lifeline --input-error FILE``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,14 @@ def _default_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-INPUT_ERROR_FILE = os.path.join("attempts", "input_error.json")
+END_REPORT_ENV = "SLMOE_END_REPORT"
+"""The file the launcher reads for the one line of bad input that ended a job (it makes a fresh
+one per job, outside the output directory); without it, ``<output dir>/attempts/input_error.json``."""
+
+
+def _report_path(output_dir: str) -> str:
+    return os.environ.get(END_REPORT_ENV) or os.path.join(output_dir, "attempts",
+                                                          "input_error.json")
 
 
 def end_job_for_input_error(output_dir: str, message: str) -> None:
@@ -97,9 +104,9 @@ def end_job_for_input_error(output_dir: str, message: str) -> None:
     so that it does not restart the job; the caller then exits with its error."""
     from megatron_slmoe.utils.atomic import write_json_atomic
 
-    path = os.path.join(output_dir, INPUT_ERROR_FILE)
+    path = _report_path(output_dir)
     try:
-        if not os.path.exists(path):
+        if not os.path.exists(path) or not os.path.getsize(path):
             write_json_atomic(path, {"error": " ".join(message.split()), "time": time.time(),
                                      "pid": os.getpid()})
     except OSError:
@@ -111,24 +118,23 @@ def end_job_for_input_error(output_dir: str, message: str) -> None:
             pass
 
 
-def input_error(output_dir: str, since: float = 0.0) -> Optional[str]:
-    """The one line of the bad input that ended a job started at ``since`` in ``output_dir``."""
+def input_error(output_dir: str) -> Optional[str]:
+    """The one line of the bad input that ended the job (None when none did)."""
     try:
-        with open(os.path.join(output_dir, INPUT_ERROR_FILE), encoding="utf-8") as f:
+        with open(_report_path(output_dir), encoding="utf-8") as f:
             record = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or record.get("time", 0) < since:
-        return None
-    return record.get("error")
+    return record.get("error") if isinstance(record, dict) else None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="the launcher's reading of a job's end")
-    parser.add_argument("--input-error", metavar="OUTPUT_DIR", required=True)
-    parser.add_argument("--since", type=float, default=0.0, help="the job's start (epoch s)")
+    parser.add_argument("--input-error", metavar="REPORT", required=True,
+                        help=f"the file the job was given as ${END_REPORT_ENV}")
     args = parser.parse_args(argv)
-    message = input_error(args.input_error, args.since)
+    os.environ[END_REPORT_ENV] = args.input_error
+    message = input_error("")
     if message is None:
         return 1
     print(message)

@@ -118,6 +118,7 @@ def nan_run(args: list[str], poison_after: int) -> dict:
     """Engine.run with one weight set to NaN after step ``poison_after`` (0: before training);
     how the run ends and what it left for the launcher."""
     import math
+    import os
 
     import torch
 
@@ -143,6 +144,7 @@ def nan_run(args: list[str], poison_after: int) -> dict:
                 poison(ctx.model)
 
     run = parse(args).run
+    os.environ.pop("SLMOE_END_REPORT", None)  # the output directory keeps the launcher's line
     try:
         Engine(run, megatron_slmoe.PLATFORM, callbacks=[Poison()]).run()
         ended = None

@@ -180,7 +180,37 @@ def inputs(tmp_path_factory, megatron_single_rank):
     files["yaml_type"] = _write(root / "yaml" / "type.yaml", "lora: {rank: eight}\n")
     files["yaml_section"] = _write(root / "yaml" / "section.yaml", "loraa: {rank: 8}\n")
     files["yaml_broken"] = _write(root / "yaml" / "broken.yaml", "lora: {rank: [\n")
+    files["images_cut"], files["images_bad"] = _image_text_datasets(root / "images")
+    files["a_file"] = _write(root / "files" / "a-file", "not a directory")
     return files
+
+
+def _image_text_datasets(root: Path) -> tuple[Path, Path]:
+    """(a dataset with a truncated shard, one whose every image is undecodable)."""
+    import io
+
+    from PIL import Image
+
+    from megatron_slmoe.data.image_text_prepare import (
+        ShardRecord,
+        index_energon_dataset,
+        write_shards,
+    )
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(png, format="PNG")
+    chat = {"messages": [{"role": "user", "content": "<image>\nColour?"},
+                         {"role": "assistant", "content": "red"}]}
+    made = []
+    for name, image in (("cut", png.getvalue()), ("bad", png.getvalue()[:30])):
+        for split in ("train", "val"):
+            write_shards([ShardRecord(chat, [("png", image)]) for _ in range(4)],
+                         str(root / name), split, 2)
+        index_energon_dataset(str(root / name), "chat")
+        made.append(root / name)
+    shard = made[0] / "train" / "shard-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:600])
+    return made[0], made[1]
 
 
 # (input, argv with {placeholders}, needle in the one line); the output directory is added.
@@ -208,6 +238,20 @@ ENTRY_POINT_CASES = [
     ("--use-persistent-ckpt-worker", ["--no-async-save", "--use-persistent-ckpt-worker"],
      "--use-persistent-ckpt-worker needs --async-save"),
     ("--no-such-flag", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ("--lr", ["--lr", "inf"], "optimizer.lr: --lr must be a finite number, got inf"),
+    ("--lr", ["--lr", "nan"], "--lr must be a finite number, got nan"),
+    ("--seed", ["--seed", "-1"], "--seed must be in 0..2147483647, got -1"),
+    ("--device-memory-gb", ["--device-memory-gb", "1e300"], "must be at most 1e+06 GiB"),
+    ("--image-mean", ["--task", "image-text", "--image-mean", "0.5", "inf", "0.5"],
+     "--image-mean must be list[finite float]"),
+    # image-text data: checked before any process starts
+    ("--train-data", ["--task", "image-text", "--base-checkpoint", "{base}", "--train-data",
+                      "{images_cut}"], "shard train/shard-000001.tar is truncated"),
+    ("--train-data", ["--task", "image-text", "--base-checkpoint", "{base}", "--train-data",
+                      "{images_bad}"], "[train]: no usable sample: every one of its 4 records"),
+    # the output directory
+    ("--output-dir", ["--output-dir", "{a_file}"], "is a file, not a directory"),
+    ("--output-dir", ["--output-dir", "{a_file}/run"], "is a file, not a directory"),
     # --config YAML
     ("--config", ["--config", "{root}/yaml/missing.yaml"], "--config {root}/yaml/missing.yaml"),
     ("--config", ["--config", "{yaml_unknown}"], "unknown key lora.ranks"),
@@ -367,3 +411,23 @@ def test_inventory_size():
     inputs = {c[0] for c in cases}
     print(f"\nbad-input inventory: {len(cases)} cases over {len(inputs)} distinct inputs")
     assert len(cases) >= 40 and len(inputs) >= 30
+
+
+def test_a_disk_too_full_for_the_checkpoints_is_refused_before_start(inputs, tmp_path, capsys,
+                                                                     monkeypatch):
+    """The output file system's free space against the checkpoints the run keeps: one line
+    before start-up (a full disk mid-save ended in a traceback)."""
+    import shutil
+    from collections import namedtuple
+
+    from megatron_slmoe.training.finetune import main
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 4096, 4096))
+    code = main(["--base-checkpoint", str(inputs["base"]), "--output-dir", str(tmp_path / "out"),
+                 "--validate-only"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "its file system has 0.00 GiB free; the run's checkpoints need about" in err, err
+    assert "--keep-last 2" in err and not (tmp_path / "out").exists()

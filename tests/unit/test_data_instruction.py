@@ -279,3 +279,20 @@ def test_rank_batches_collates(tok):
     assert mb["tokens"].shape == (2, SEQ) and torch.equal(mb["tokens"][0], ds[6]["tokens"])
     assert np.isclose(float(mb["loss_mask"].sum()),
                       float(ds[6]["loss_mask"].sum() + ds[7]["loss_mask"].sum()))
+
+
+def test_the_dataset_itself_refuses_mostly_malformed_files(tmp_path):
+    """The --max-malformed-fraction rule lives in the dataset: files read from object storage
+    (which the checks before start-up do not open) are held to it as local ones are."""
+    from megatron_slmoe.data.assets import asset_path
+    from megatron_slmoe.data.errors import DataError
+    from megatron_slmoe.data.instruction import InstructionDataset
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+
+    path = tmp_path / "mostly-bad.jsonl"
+    path.write_text('{"prompt": "one", "response": "1"}\n{"prompt": 3}\n"a string"\n')
+    tokenizer = load_tokenizer(asset_path("tokenizer.json"))
+    with pytest.raises(DataError, match="2 of 3 records are malformed, more than "
+                                        "--max-malformed-fraction 0.1"):
+        InstructionDataset(str(path), tokenizer, 64, max_malformed_fraction=0.1)
+    assert len(InstructionDataset(str(path), tokenizer, 64)) == 1  # no limit given: one example

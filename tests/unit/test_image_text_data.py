@@ -287,8 +287,8 @@ def test_all_bad_records_is_one_error(tmp_path, tok):
     root = tmp_path / "ds"
     write_shards([ShardRecord({"messages": "nope"}, [])], str(root), "train", 10)
     index_energon_dataset(str(root), "chat")
-    with pytest.raises(DataError, match="every record is bad"):
-        _dataset(root, tok)[0]
+    with pytest.raises(DataError, match="no usable sample: every one of its 1 records is bad"):
+        _dataset(root, tok)
 
 
 def test_not_an_energon_dataset_is_one_error(tmp_path, tok):
@@ -329,3 +329,34 @@ def test_a_forked_worker_reopens_the_shards(chat_dataset, tok):
     assert inherited > 0 and own > 0 and shared == 0  # the parent's open files, then its own
     assert rows == parent
     assert dataset._reader.itar_files_cache  # the parent's stay open
+
+
+def test_a_truncated_shard_is_refused_naming_it(llava_folder, tmp_path, tok):
+    """An incomplete copy of a shard: one DataError line when the dataset opens (the launcher's
+    checks open it too), not a crash of every rank in the middle of training."""
+    prepare_from_llava_json(str(tmp_path / "out"), str(llava_folder / "train.json"),
+                            str(llava_folder / "img"), samples_per_shard=3)
+    shard = tmp_path / "out" / "train" / "shard-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:700])
+    with pytest.raises(DataError, match="shard train/shard-000001.tar is truncated: its index "
+                                        "reaches byte") as err:
+        _dataset(tmp_path / "out", tok)
+    assert "\n" not in str(err.value)
+
+
+def test_a_dataset_without_a_usable_sample_is_refused(llava_folder, tmp_path, tok):
+    """Every image undecodable: no sample to train on is bad input (one line), where half-bad
+    data is trained on with the bad records skipped."""
+    root = tmp_path / "bad"
+    (root / "img").mkdir(parents=True)
+    (root / "img" / "broken.png").write_bytes(_png((1, 2, 3))[:40])
+    broken = (root / "img" / "broken.png").read_bytes()
+    records = [ShardRecord({"messages": [{"role": "user", "content": "<image>\nQ?"},
+                                         {"role": "assistant", "content": "A"}]},
+                           [("png", broken)]) for _ in range(4)]
+    out = tmp_path / "all-bad"
+    write_shards(records, str(out), "train", 2)
+    index_energon_dataset(str(out), "chat")
+    with pytest.raises(DataError, match=r"\[train\]: no usable sample: every one of its 4 "
+                                        r"records is bad \(.*undecodable image.*\)"):
+        _dataset(out, tok)

@@ -245,3 +245,11 @@ def test_command_line_errors_exit_2_with_one_line(capsys):
         err = capsys.readouterr().err
         assert code == 2, argv
         assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+
+
+def test_every_section_is_described_by_a_whole_sentence_in_help():
+    from megatron_slmoe.training.cli import first_sentence
+
+    for cls in RunConfig.sections().values():
+        line = first_sentence(cls.__doc__ or "")
+        assert line.endswith((".", ")")) and line[0].isupper(), (cls.__name__, line)

@@ -61,9 +61,11 @@ class TextTask(Task):
         # says where a run is, which is what resuming needs.
         train = InstructionDataset(files(data.train_data, "digits_train.jsonl"), tokenizer,
                                    data.seq_length, seed=schedule.seed,
-                                   num_samples=schedule.train_samples)
+                                   num_samples=schedule.train_samples,
+                                   max_malformed_fraction=data.max_malformed_fraction)
         valid = InstructionDataset(files(data.valid_data, "digits_eval.jsonl"), tokenizer,
-                                   data.seq_length, seed=schedule.seed, shuffle=False)
+                                   data.seq_length, seed=schedule.seed, shuffle=False,
+                                   max_malformed_fraction=data.max_malformed_fraction)
         return train, valid
 
     def _pretrain(self, storage, tokenizer, output_dir: str):
