@@ -121,3 +121,33 @@ def test_missing_base_and_bad_sampling_are_one_line(saved, tmp_path, capsys):
     assert "--base-checkpoint" in capsys.readouterr().err
     assert main(["--base-checkpoint", str(root / "base"), "--top-p", "0.5", *common]) == 2
     assert "--top-p needs --temperature" in capsys.readouterr().err
+
+
+def test_the_prompts_file_is_never_overwritten_and_bad_outputs_are_one_line(saved, tmp_path,
+                                                                            capsys):
+    from megatron_slmoe.commands.generate import main
+
+    root, _ = saved
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(PROMPTS[0]) + "\n")
+    kept = prompts.read_bytes()
+    base = ["--base-checkpoint", str(root / "base"), "--prompts", str(prompts)]
+    for output, needle in ((str(prompts), "is the --prompts file"),
+                           (str(tmp_path), "is a directory"),
+                           (str(prompts / "answers.jsonl"), "is not a directory")):
+        assert main([*base, "--output", output]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert prompts.read_bytes() == kept
+
+
+def test_a_binary_prompts_file_is_one_line(saved, tmp_path, capsys):
+    from megatron_slmoe.commands.generate import main
+
+    root, _ = saved
+    prompts = tmp_path / "prompts.bin"
+    prompts.write_bytes(b"\x80\x81\xfe\xff binary\n" + bytes(range(256)))
+    assert main(["--base-checkpoint", str(root / "base"), "--prompts", str(prompts),
+                 "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "prompts.bin:1: not UTF-8 text" in err and len(err.strip().splitlines()) == 1, err
