@@ -292,9 +292,10 @@ class Engine:
 
                 message = str(err)
                 if disk_full:
-                    message = (f"no space left on the device of {err.filename or 'a file the run '
-                               f'writes'} (the newest complete checkpoint is intact): free space "
-                               f"or lower --keep-last, then rerun to resume")
+                    where = err.filename or "a file the run writes"
+                    message = (f"no space left on the device of {where} (the newest complete "
+                               f"checkpoint is intact): free space or lower --keep-last, then "
+                               f"rerun to resume")
                 end_job_for_input_error(self.run_config.output.output_dir, message)
             if not _is_out_of_memory(err):
                 raise

@@ -17,7 +17,13 @@ BAD_LAYOUT = ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-si
 
 @pytest.fixture
 def world_512(monkeypatch, tmp_path):
-    """512 ranks; the flagship's flags with a base named (LoRA needs one; the check loads none)."""
+    """512 ranks; the flagship's flags with a base named (LoRA needs one; the check loads none),
+    its output on a cluster's file system (the flagship's checkpoints do not fit this machine)."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**50, 0, 2**50))
     monkeypatch.setenv("WORLD_SIZE", "512")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     return [*FLAGSHIP, "--base-checkpoint", str(stand_in_base(tmp_path / "base"))]
