@@ -256,6 +256,7 @@ setup(
         "slmoe-rank-sweep = megatron_slmoe.commands.rank_sweep:main",
         "slmoe-convert-hf = megatron_slmoe.commands.convert_hf:main",
         "slmoe-count-params = megatron_slmoe.commands.count_params:main",
+        "slmoe-make-hf-checkpoint = megatron_slmoe.commands.make_hf_checkpoint:main",
         "slmoe-preprocess-data = megatron_slmoe.commands.preprocess_data:main",
         "slmoe-train-tokenizer = megatron_slmoe.commands.train_tokenizer:main",
         "slmoe-preflight = megatron_slmoe.preflight.__main__:main",

@@ -23,7 +23,8 @@ assert where.startswith(sys.prefix), f"imported {where}, not the installed wheel
 print(f"[wheel] megatron_slmoe {megatron_slmoe.__version__} from {where}")
 PY
 for script in slmoe-finetune slmoe-merge-lora slmoe-generate slmoe-plot-run slmoe-rank-sweep \
-        slmoe-convert-hf slmoe-count-params slmoe-preprocess-data slmoe-train-tokenizer \
+        slmoe-convert-hf slmoe-count-params slmoe-make-hf-checkpoint slmoe-preprocess-data \
+        slmoe-train-tokenizer \
         slmoe-preflight slmoe-netcheck; do
     "$bin/$script" --help >/dev/null
     echo "[wheel] $script --help: ok"

@@ -1,0 +1,120 @@
+"""Random-weight Hugging Face checkpoints with real layer shapes and fewer layers, for measuring
+memory, import and speed where the real checkpoint (hundreds of GB) does not fit.
+
+``write_random_checkpoint`` builds the family's transformers model on the meta device (names and
+shapes only), then writes its weights shard by shard: one safetensors file per decoder layer (and
+one for the embeddings and the head), each made, written and dropped before the next, so the
+whole model is never in memory (peak: one layer). Experts are stored as transformers 5 holds them
+(fused 3D tensors), which the import reads like the per-expert layout of published checkpoints.
+Weights are N(0, ``init_std``), norms 1, biases 0. A small ChatML tokenizer goes with it (the
+model's vocabulary is the real one: embedding and head keep their true size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Qwen3-30B-A3B's layer (config.json of Qwen/Qwen3-30B-A3B), with the layer count a flag.
+    "qwen3-30b-a3b": ("qwen3_moe", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, router_aux_loss_coef=0.001)),
+}
+"""Name -> (transformers model_type, config fields)."""
+
+_LAYER = re.compile(r"^(model\.layers\.\d+)\.")
+
+
+def hf_config(model_type: str, num_layers: int, **fields):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, num_hidden_layers=num_layers, **fields)
+
+
+def _groups(meta_model) -> "OrderedDict[str, list[tuple[str, torch.Size]]]":
+    """The model's weights by shard: one per decoder layer, one for everything else."""
+    groups: OrderedDict[str, list] = OrderedDict()
+    for name, tensor in meta_model.state_dict().items():
+        match = _LAYER.match(name)
+        groups.setdefault(match.group(1) if match else "model", []).append((name, tensor.shape))
+    return groups
+
+
+def _random(name: str, shape: torch.Size, gen: torch.Generator, std: float,
+            dtype: torch.dtype) -> torch.Tensor:
+    if name.endswith("norm.weight") or "layernorm" in name or name.endswith("_norm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=dtype)
+    return (torch.randn(shape, generator=gen) * std).to(dtype)
+
+
+def write_random_checkpoint(config, output: str, *, seed: int = 0, init_std: float = 0.02,
+                            dtype: torch.dtype = torch.float32,
+                            tokenizer_text: Optional[list[str]] = None) -> dict[str, int]:
+    """Write ``config``'s model with random weights into the new directory ``output`` (config,
+    sharded safetensors with their index, tokenizer); returns {shard file: bytes}."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_slmoe.utils.atomic import atomic_directory, write_json_atomic
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    groups = _groups(meta)
+    gen = torch.Generator().manual_seed(seed)
+    sizes: dict[str, int] = {}
+    weight_map: dict[str, str] = {}
+    config.architectures = [type(meta).__name__]
+    with atomic_directory(output) as staging:
+        config.save_pretrained(staging)
+        for number, (group, weights) in enumerate(groups.items()):
+            filename = f"model-{number + 1:05d}-of-{len(groups):05d}.safetensors"
+            tensors = {name: _random(name, shape, gen, init_std, dtype) for name, shape in weights}
+            save_file(tensors, os.path.join(staging, filename), metadata={"format": "pt"})
+            sizes[filename] = os.path.getsize(os.path.join(staging, filename))
+            weight_map.update(dict.fromkeys(tensors, filename))
+            del tensors  # one shard in memory at a time
+        write_json_atomic(os.path.join(staging, "model.safetensors.index.json"),
+                          {"metadata": {"total_size": sum(sizes.values())},
+                           "weight_map": weight_map})
+        write_chatml_tokenizer(staging, tokenizer_text)
+    return sizes
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_chatml_tokenizer(directory: str, texts: Optional[list[str]] = None,
+                           vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer with ChatML's special tokens and template, trained on
+    ``texts`` (default: the shipped demo corpus), as a checkpoint directory holds it."""
+    import tokenizers
+
+    from megatron_slmoe.data.assets import asset_path
+    from megatron_slmoe.data.tokenizer import iter_training_texts
+
+    if texts is None:
+        texts = list(iter_training_texts(asset_path("corpus.txt")))
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(texts, trainer=trainer)
+    backend.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                   "chat_template": CHATML_TEMPLATE}, f, indent=2)
