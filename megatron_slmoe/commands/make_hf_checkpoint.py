@@ -39,6 +39,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
+    from megatron_slmoe.data.tokenizer import write_chatml_tokenizer
     from megatron_slmoe.hf.synthetic import hf_config, write_random_checkpoint
 
     args = parse_args(argv)
@@ -62,7 +63,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (TypeError, ValueError) as err:
         raise BadInput(f"--set: {err}") from None
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    sizes = write_random_checkpoint(config, output, seed=args.seed, dtype=dtype)
+    sizes = write_random_checkpoint(config, output, seed=args.seed, dtype=dtype,
+                                    add_files=write_chatml_tokenizer)
     print(f"wrote {output}: {len(sizes)} shards, {sum(sizes.values()) / 2**30:.2f} GiB")
     return 0
 

@@ -372,3 +372,31 @@ def train_tokenizer(text_files: Sequence[str], vocab_size: int, output_path: str
     tokenizer = Tokenizer(backend, path=os.fspath(output_path))
     tokenizer.save(os.fspath(output_path))
     return tokenizer
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_chatml_tokenizer(directory: str, texts: Optional[list[str]] = None,
+                           vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer with ChatML's special tokens and template, trained on
+    ``texts`` (default: the shipped demo corpus), as a checkpoint directory holds it."""
+    import tokenizers
+
+    from megatron_slmoe.data.assets import asset_path
+
+    if texts is None:
+        texts = list(iter_training_texts(asset_path("corpus.txt")))
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(texts, trainer=trainer)
+    backend.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                   "chat_template": CHATML_TEMPLATE}, f, indent=2)

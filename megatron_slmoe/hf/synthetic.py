@@ -6,17 +6,15 @@ shapes only), then writes its weights shard by shard: one safetensors file per d
 one for the embeddings and the head), each made, written and dropped before the next, so the
 whole model is never in memory (peak: one layer). Experts are stored as transformers 5 holds them
 (fused 3D tensors), which the import reads like the per-expert layout of published checkpoints.
-Weights are N(0, ``init_std``), norms 1, biases 0. A small ChatML tokenizer goes with it (the
-model's vocabulary is the real one: embedding and head keep their true size).
+Weights are N(0, ``init_std``), norms 1, biases 0.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -60,9 +58,10 @@ def _random(name: str, shape: torch.Size, gen: torch.Generator, std: float,
 
 def write_random_checkpoint(config, output: str, *, seed: int = 0, init_std: float = 0.02,
                             dtype: torch.dtype = torch.float32,
-                            tokenizer_text: Optional[list[str]] = None) -> dict[str, int]:
+                            add_files: Optional[Callable[[str], None]] = None) -> dict[str, int]:
     """Write ``config``'s model with random weights into the new directory ``output`` (config,
-    sharded safetensors with their index, tokenizer); returns {shard file: bytes}."""
+    sharded safetensors with their index; ``add_files(directory)`` adds more, e.g. a tokenizer,
+    before it appears); returns {shard file: bytes}."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -87,34 +86,6 @@ def write_random_checkpoint(config, output: str, *, seed: int = 0, init_std: flo
         write_json_atomic(os.path.join(staging, "model.safetensors.index.json"),
                           {"metadata": {"total_size": sum(sizes.values())},
                            "weight_map": weight_map})
-        write_chatml_tokenizer(staging, tokenizer_text)
+        if add_files is not None:
+            add_files(staging)
     return sizes
-
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def write_chatml_tokenizer(directory: str, texts: Optional[list[str]] = None,
-                           vocab_size: int = 512) -> None:
-    """A byte-level BPE tokenizer with ChatML's special tokens and template, trained on
-    ``texts`` (default: the shipped demo corpus), as a checkpoint directory holds it."""
-    import tokenizers
-
-    from megatron_slmoe.data.assets import asset_path
-    from megatron_slmoe.data.tokenizer import iter_training_texts
-
-    if texts is None:
-        texts = list(iter_training_texts(asset_path("corpus.txt")))
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(texts, trainer=trainer)
-    backend.save(os.path.join(directory, "tokenizer.json"))
-    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                   "chat_template": CHATML_TEMPLATE}, f, indent=2)

@@ -75,7 +75,7 @@ def build_callbacks(run: RunConfig, task: Task, extra: Sequence[Callback] = ()) 
 
     lora = run.model.finetune_mode == "lora"
     callbacks: list[Callback] = [
-        ProgressLog(run.schedule.log_interval),
+        ProgressLog(run.schedule.log_interval, run.lora if lora else None),
         StragglerWatch(run.health, run.schedule.log_interval),
         HangWatch(run.health),  # before the answers: the final ones are not timed
         RoutingQuality(run.moe, run.monitor, lora),

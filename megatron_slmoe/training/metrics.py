@@ -14,11 +14,14 @@ log = logging.getLogger(__name__)
 
 
 def format_progress(step: int, total: int, loss: float, lr: float, grad_norm: Optional[float],
-                    tokens_per_s: float, memory_bytes: int, eta_s: float) -> str:
+                    tokens_per_s: float, memory_bytes: int, eta_s: float,
+                    mfu: Optional[float] = None) -> str:
     memory = f"{memory_bytes / 2**30:.2f} GiB" if memory_bytes else "n/a"
     grad = "n/a" if grad_norm is None or not math.isfinite(grad_norm) else f"{grad_norm:.3f}"
+    utilisation = "n/a" if mfu is None else f"{mfu:.1%}"
     return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.3e} | grad norm {grad} | "
-            f"{tokens_per_s:,.0f} tokens/s | mem {memory} | ETA {_duration(eta_s)}")
+            f"{tokens_per_s:,.0f} tokens/s | MFU {utilisation} | mem {memory} | "
+            f"ETA {_duration(eta_s)}")
 
 
 def _duration(seconds: float) -> str:

@@ -90,6 +90,10 @@ def test_a_callback_sees_every_event_saves_its_state_and_resumes(tmp_path):
         assert rank["promoted"] == 2  # iterations 2 and 4
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["recorder_steps"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    # Every progress record has the model FLOPs utilisation beside its tokens/s.
+    progress = [r for r in records if "tokens_per_s" in r]
+    assert [r["iteration"] for r in progress] == [2, 4]
+    assert all(0 < r["mfu"] < 1 for r in progress), progress
     assert json.loads((out / "summary.json").read_text())["recorder_steps"] == 4
 
     # A longer run in the same directory resumes from iteration 4: the callback gets its state.

@@ -71,6 +71,9 @@ def test_a_stopped_rank_ends_the_job_within_the_heartbeat_timeout(tiny_base, tmp
         _wait_for(lambda: len(_records(run)) >= 2, 300, "two steps")
         victim = _rank_pids(run)[1]
         last = _records(run)[-1]["iteration"]
+        # Two heartbeat intervals: the victim has published a step at least this late (its
+        # heartbeat thread publishes every interval, not every step).
+        time.sleep(2 * min(HEARTBEAT_TIMEOUT / 10, 5.0))
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.time()
         out, _ = proc.communicate(timeout=HEARTBEAT_TIMEOUT + 120)

@@ -1,6 +1,7 @@
 """The progress line every ``--log-interval`` steps: loss, learning rate, gradient norm, training
-throughput (tokens per second of the steps themselves, evaluation and probes excluded), peak
-memory and the time left."""
+throughput (tokens per second of the steps themselves, evaluation and probes excluded), MFU (the
+model FLOPs those tokens take, ``plan.flops``, over the peak matrix rate of the devices:
+``platform.peak``, measured once on a CPU), peak memory and the time left."""
 
 from __future__ import annotations
 
@@ -19,11 +20,26 @@ def peak_memory(platform) -> int:
 
 
 class ProgressLog(Callback):
+    """``lora``: the run's LoRA section (None in a full fine-tune), for the model FLOPs."""
+
     name = "progress"
 
-    def __init__(self, log_interval: int) -> None:
-        self.log_interval = log_interval
+    def __init__(self, log_interval: int, lora=None) -> None:
+        self.log_interval, self.lora = log_interval, lora
         self._steps, self._seconds = 0, 0.0
+        self.flops_per_token = self.peak = None
+
+    def setup(self, ctx: RunContext) -> None:
+        from megatron_slmoe.plan.flops import token_flops
+        from megatron_slmoe.plan.model_shape import ModelShape
+        from megatron_slmoe.platform.peak import peak_flops
+
+        shape = ModelShape.from_config(ctx.model_config)
+        lora = self.lora
+        self.flops_per_token = token_flops(
+            shape, ctx.seq_length, lora.rank if lora else 0, tuple(lora.targets) if lora else (),
+            full_finetune=lora is None).training
+        self.peak = peak_flops(ctx.device, ctx.transformer_config.params_dtype)
 
     def after_step(self, ctx: RunContext, record: dict) -> None:
         self._steps += 1
@@ -33,8 +49,11 @@ class ProgressLog(Callback):
         tokens = ctx.global_batch_size * ctx.seq_length * self._steps
         record["tokens_per_s"] = tokens / max(self._seconds, 1e-9)
         record["memory_bytes"] = peak_memory(ctx.platform)
+        if self.peak:
+            record["mfu"] = (record["tokens_per_s"] * self.flops_per_token
+                             / (ctx.world_size * self.peak))
         eta = self._seconds / self._steps * (ctx.train_iters - ctx.iteration)
         ctx.info("[finetune] " + format_progress(
             ctx.iteration, ctx.train_iters, record["loss"], record["lr"], record["grad_norm"],
-            record["tokens_per_s"], record["memory_bytes"], eta))
+            record["tokens_per_s"], record["memory_bytes"], eta, record.get("mfu")))
         self._steps, self._seconds = 0, 0.0
