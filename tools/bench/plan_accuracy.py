@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Predicted vs measured peak memory per rank of real fine-tuning runs (the planner's accuracy).
 
-Each run is the real training entry point (``megatron_slmoe.training.finetune.main``) under
-``torchrun --nproc-per-node 2`` on the tiny model, in a different layout or setting. Measured: the
-peak bytes of live tensors per rank during each training step (``megatron_slmoe.plan.live_bytes``,
-the CPU stand-in for ``max_memory_allocated``), taken over the steps after the first (when Adam's
-state exists). Predicted: ``megatron_slmoe.plan.estimate_memory`` for the same settings, with the
+Each run is the real training entry point under ``torchrun --nproc-per-node 2`` on the tiny model
+(``tools/bench/measured_run.py``), in a different layout or setting. Measured: the peak bytes of
+live tensors per rank during each training step (``megatron_slmoe.plan.live_bytes``, the CPU
+stand-in for ``max_memory_allocated``), taken over the steps after the first (when Adam's state
+exists). Predicted: ``megatron_slmoe.plan.estimate_memory`` for the same settings, with the
 CPU framework overhead measured once, in the first run, as the live bytes before a step that are
 not model parameters, buffers, DDP gradient buffers or optimizer state (the data, RNG states,
 Megatron's globals). Prints a table, writes JSON; the goal is within 10% on every run.
@@ -51,69 +51,6 @@ RUNS = {
 SEQ, GLOBAL_BATCH, ITERS = 128, 16, 3
 
 
-# --- worker: one rank of one run ------------------------------------------------------------------
-
-
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if t is not None and not t.is_meta:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def _held_by_training_state(ctx) -> int:
-    """Bytes of parameters, buffers, DDP buffers and optimizer state (the counted statics)."""
-    import torch
-
-    tensors = list(ctx.model.parameters()) + list(ctx.model.buffers())
-    for buffer in (getattr(ctx.ddp, "buffers", []) +
-                   getattr(ctx.ddp, "expert_parallel_buffers", [])):
-        tensors += [buffer.grad_data, buffer.param_data]
-    for opt in getattr(ctx.optimizer, "chained_optimizers", [ctx.optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            tensors += list(group["params"])
-        for state in inner.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return _storage_bytes(tensors)
-
-
-def worker(out_dir: str, argv: list[str]) -> None:
-    """The entry point's run on this rank, its engine's steps measured (an Engine whose
-    ``train_step`` records the live bytes before and the peak during each step)."""
-    from megatron_slmoe.plan.live_bytes import LiveTensorBytes
-
-    live = LiveTensorBytes()
-    live.__enter__()  # before anything allocates
-    import torch
-
-    from megatron_slmoe.training import engine, finetune
-
-    steps: list[dict] = []
-
-    class MeasuredEngine(engine.Engine):
-        def train_step(self):
-            before = live.current
-            held = _held_by_training_state(self.ctx) if len(steps) == 1 else None
-            live.reset_peak()
-            record = super().train_step()
-            steps.append({"before": before, "peak": live.peak, "held_by_state": held})
-            if len(steps) == self.run_config.schedule.train_iters:
-                # Stop here: the end-of-run checkpoint and evaluation are not training steps.
-                torch.distributed.barrier()
-                rank = torch.distributed.get_rank()
-                with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-                    json.dump({"steps": steps}, f)
-                torch.distributed.barrier()
-                os._exit(0)
-            return record
-
-    engine.Engine = MeasuredEngine  # what finetune.main builds
-    finetune.main(argv)
-
-
 # --- the benchmark ------------------------------------------------------------------------------
 
 
@@ -147,8 +84,9 @@ def _measure(name: str, flags: list[str], work: str, base: str) -> list[dict]:
     out = os.path.join(work, name)
     os.makedirs(out, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(29500 + abs(hash(name)) % 1000), os.path.abspath(__file__),
-               "--worker", out, "--", *COMMON, "--train-iters", str(ITERS),
+               "--master-port", str(29500 + abs(hash(name)) % 1000),
+               os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured_run.py"), out,
+               str(ITERS), "--", *COMMON, "--train-iters", str(ITERS + 10),
                "--base-checkpoint", base, "--output-dir", os.path.join(out, "run"), *flags]
     proc = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT)
     files = sorted(f for f in os.listdir(out) if f.startswith("rank"))
@@ -216,7 +154,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[4:] if sys.argv[3:4] == ["--"] else sys.argv[3:])
-    else:
-        sys.exit(main())
+    sys.exit(main())
