@@ -43,6 +43,7 @@ from megatron_slmoe.plan.devices import DeviceSpec
 from megatron_slmoe.plan.model_shape import (
     ModelShape,
     census,
+    expert_parameters,
     embedding_parameters,
     layer_parameters,
     output_parameters,
@@ -206,21 +207,56 @@ def _static(shape: ModelShape, settings: RunSettings, stage: int) -> dict:
         out = output_parameters(shape) or (shape.vocab * shape.hidden if not first else 0)
         run_dtype += out // settings.tp
     trainable = lora_dense + lora_expert
-    lora_bytes = trainable * b
-    grad_buffers = trainable * _FP32
+    zero = settings.zero_stage
+
+    def sharded(dense: float, expert: float) -> int:
+        """Bytes over data parallelism: dense parameters over dp, expert ones over expert dp."""
+        return int(dense // settings.dp + expert // settings.expert_dp)
+
+    lora_bytes = trainable * b if zero < 3 else sharded(lora_dense * b, lora_expert * b)
+    grad_buffers = trainable * _FP32 if zero < 2 else sharded(lora_dense * _FP32,
+                                                              lora_expert * _FP32)
     # Adam moments (fp32), plus an fp32 main copy of 16-bit parameters.
     per_param = 2 * _FP32 + (_FP32 if b < _FP32 else 0)
-    if settings.distributed_optimizer:
-        optimizer = (per_param * lora_dense // settings.dp
-                     + per_param * lora_expert // settings.expert_dp)
+    if zero >= 1:
+        optimizer = sharded(per_param * lora_dense, per_param * lora_expert)
     else:
         optimizer = per_param * trainable
+    weights = run_dtype * b
+    if zero == 3:  # the frozen base too: each rank keeps its share (experts' over expert dp)
+        expert_weights = _expert_weight_elements(shape, settings, layers)
+        weights = sharded((run_dtype - expert_weights) * b, expert_weights * b)
     return {
-        "weights_by_dtype": _by_dtype((settings.dtype, run_dtype * b),
+        "weights_by_dtype": _by_dtype((settings.dtype, weights),
                                       ("fp32", norms * _FP32 + buffers)),
         "lora_params": lora_bytes, "grad_buffers": grad_buffers, "optimizer": optimizer,
         "trainable_params": trainable,
     }
+
+
+def _expert_weight_elements(shape: ModelShape, settings: RunSettings, layers) -> int:
+    """This rank's routed-expert weight elements over ``layers`` (its EP share)."""
+    return sum(shape.experts // settings.ep * expert_parameters(shape)
+               for index in layers if shape.moe_layers[index])
+
+
+def zero3_gather_bytes(shape: ModelShape, settings: RunSettings) -> int:
+    """ZeRO-3's transient: the largest layer's weights of this rank's share gathered whole for
+    its forward or backward, and the next one prefetched (Megatron-FSDP's unit: one layer)."""
+    if settings.zero_stage < 3:
+        return 0
+    b = settings.element_size
+    largest = 0
+    for moe in (False, True):
+        if moe not in shape.moe_layers:
+            continue
+        w, _ = _dense_layer_weights(shape, settings, moe)
+        experts = shape.experts // settings.ep * expert_parameters(shape) if moe else 0
+        # Only what is sharded is gathered: dense weights over dp, expert ones over expert dp.
+        gathered = ((w - experts) if settings.dp > 1 else 0) + (
+            experts if settings.expert_dp > 1 else 0)
+        largest = max(largest, gathered * b)
+    return 2 * largest
 
 
 def _by_dtype(*items: tuple[str, int]) -> dict[str, int]:
@@ -445,6 +481,9 @@ def estimate_memory(shape: ModelShape, settings: RunSettings, device: DeviceSpec
     for stage in range(settings.pp):
         static = _static(shape, settings, stage)
         acts = _stage_activations(shape, settings, stage)
+        gather = zero3_gather_bytes(shape, settings)
+        if gather > acts["transient"]:  # the step's largest transient
+            acts = {**acts, "transient": gather, "transient_event": "zero-3 layer gather"}
         allocated = (sum(static["weights_by_dtype"].values()) + static["lora_params"]
                      + static["grad_buffers"] + static["optimizer"] + acts["activations"]
                      + acts["moe_rows"] + acts["transient"])

@@ -39,6 +39,12 @@ class RunSettings:
     """Data-parallel size: world size / (tp * pp)."""
     distributed_optimizer: bool = False
     """--use-distributed-optimizer: main parameters and Adam state sharded over data parallelism."""
+    sharding: str = "none"
+    """ZeRO-style sharding over data parallelism beyond the optimizer, as Megatron-Core's FSDP
+    names it: ``optim_grads`` (ZeRO-2: gradient buffers too), ``optim_grads_params`` (ZeRO-3:
+    the weights too, frozen base included, each layer's gathered for its forward and backward).
+    ``optim`` is the distributed optimizer (ZeRO-1). Planned only: Megatron-Core's FSDP needs
+    CUDA, so no CPU run measures it."""
     recompute: str = "none"
     """--recompute-granularity: none, selective or full (uniform, one layer per checkpoint)."""
     recompute_modules: tuple[str, ...] = ("core_attn",)
@@ -81,6 +87,12 @@ class RunSettings:
     @property
     def element_size(self) -> int:
         return DTYPES[self.dtype]
+
+    @property
+    def zero_stage(self) -> int:
+        """0 none, 1 optimizer state, 2 + gradients, 3 + weights (sharded over data parallelism)."""
+        return {"optim_grads": 2, "optim_grads_params": 3}.get(
+            self.sharding, 1 if self.distributed_optimizer or self.sharding == "optim" else 0)
 
     def recomputes(self, module: str) -> bool:
         return self.recompute == "selective" and module in self.recompute_modules
@@ -163,9 +175,10 @@ class RunSettings:
 
     def describe(self) -> str:
         """``tp8 pp8 ep64 dp8 distopt sel:moe mbs1``."""
+        sharded = {2: "zero2", 3: "zero3"}.get(self.zero_stage)
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"ep{self.ep}", f"dp{self.dp}",
-                 "distopt" if self.distributed_optimizer else "opt", self.recompute_label,
-                 f"mbs{self.micro_batch_size}"]
+                 sharded or ("distopt" if self.distributed_optimizer else "opt"),
+                 self.recompute_label, f"mbs{self.micro_batch_size}"]
         return " ".join(parts)
 
     @classmethod

@@ -268,3 +268,27 @@ def test_cli_bad_input_is_one_line_exit_2(capsys, argv, expected):
     assert plan_main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and expected in err
+
+
+def test_zero_stages_shard_what_they_name():
+    """ZeRO-2 shards the gradient buffers, ZeRO-3 the weights (frozen base included) over data
+    parallelism, at the price of one gathered layer (and the next, prefetched) in flight."""
+    from megatron_slmoe.plan.devices import DEVICES
+    from megatron_slmoe.plan.memory import estimate_memory, zero3_gather_bytes
+    from megatron_slmoe.plan.model_shape import load_shape
+    from megatron_slmoe.plan.settings import RunSettings
+
+    shape = load_shape("tiny")
+    device = DEVICES["h100"]
+    base = RunSettings(ep=2, dp=4, seq_length=128, global_batch_size=16)
+    stages = {name: estimate_memory(shape, base.replace(**changes), device).stages[0]
+              for name, changes in (("none", {}), ("zero1", dict(distributed_optimizer=True)),
+                                    ("zero2", dict(sharding="optim_grads")),
+                                    ("zero3", dict(sharding="optim_grads_params")))}
+    assert stages["zero1"].optimizer < stages["none"].optimizer
+    assert stages["zero2"].optimizer == stages["zero1"].optimizer
+    assert stages["zero2"].grad_buffers < stages["zero1"].grad_buffers
+    assert stages["zero3"].weights < stages["zero2"].weights
+    assert stages["zero3"].lora_params < stages["zero2"].lora_params
+    gather = zero3_gather_bytes(shape, base.replace(sharding="optim_grads_params"))
+    assert gather > 0 and stages["zero3"].transient >= gather

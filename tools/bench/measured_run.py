@@ -50,7 +50,8 @@ def held_by_training_state(ctx) -> int:
 
 
 def _name_stages(ctx) -> None:
-    """Attention and the optimizer step as profiler stages beside the MoE layer's own."""
+    """Attention, the output layer and the optimizer step as profiler stages beside the MoE
+    layer's own."""
     from stage_profile import wrap_forward
 
     from megatron_slmoe.moe.stages import stage
@@ -58,6 +59,8 @@ def _name_stages(ctx) -> None:
     for name, module in ctx.model.named_modules():
         if name.endswith("self_attention"):
             wrap_forward(module, "attention")
+        elif name.endswith("output_layer"):  # the vocabulary projection (its loss is "other")
+            wrap_forward(module, "output_layer")
     step = ctx.optimizer.step
 
     def staged_step(*args, **kwargs):

@@ -281,11 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levers", nargs="+", choices=sorted(LEVERS), default=None)
     parser.add_argument("--parts", nargs="+", default=["engine", "peft", "kernel"],
                         choices=["engine", "peft", "kernel"])
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a config field of the checkpoint (e.g. vocab_size=4096: the layers "
+                             "without the output layer's weight)")
     parser.add_argument("--work-dir", default=None, help="reused: its checkpoint stays")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     shape = dict(QUICK if args.quick else REAL)
     shape["layers"] = args.layers or shape["layers"]
+    shape["overrides"] = [*shape["overrides"], *args.set]
     seq, steps = args.seq_length or shape["seq"], args.steps or shape["steps"]
     levers = args.levers or (["ep2", "ep2-distopt"] if args.quick else list(LEVERS))
 
@@ -345,11 +349,15 @@ def main(argv: list[str] | None = None) -> int:
                     "shard_bytes": result["shard_bytes"],
                     "losses": [s["loss"] for s in result["steps"]],
                     "stage_share": _shares(result.get("stage_us"))})
-        estimate, settings = planned(model_shape, seq, dict(ep=2, dp=2), overhead or 0)
-        rows.append({"system": "slmoe", "lever": "zero3-megatron-fsdp", "status": FSDP_NOT_ON_CPU,
-                     "predicted_peak_bytes": None, "measured_peak_bytes": None,
-                     "tokens_per_s": None, "params_total": params_total,
-                     "params_trainable": estimate.stages[0].trainable_params})
+        for sharding in ("optim_grads", "optim_grads_params"):  # ZeRO-2, ZeRO-3: planned only
+            estimate, settings = planned(model_shape, seq, dict(ep=2, dp=2, sharding=sharding),
+                                         overhead or 0)
+            rows.append({"system": "slmoe", "lever": f"ep2-megatron-fsdp-{sharding}",
+                         "status": FSDP_NOT_ON_CPU, "layout": settings.describe(),
+                         "predicted_peak_bytes": estimate.stages[0].peak,
+                         "measured_peak_bytes": None, "tokens_per_s": None,
+                         "params_total": params_total,
+                         "params_trainable": estimate.stages[0].trainable_params})
     if "peft" in args.parts:
         rows_data = packed_rows(checkpoint, data, seq, GLOBAL_BATCH * steps)
         result = run_peft(checkpoint, rows_data, work, steps)
