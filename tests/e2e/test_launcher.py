@@ -177,3 +177,17 @@ def test_the_settings_comments_name_real_lora_targets():
                 if "--lora-target-modules" in line and "LORA_TARGET_MODULES" in line)
     shown = line.rsplit("# [", 1)[1].rstrip("]").split()
     assert shown == list(DEFAULT_LORA_TARGETS) and set(shown) <= set(TARGETS)
+
+
+def test_a_dry_run_of_the_demo_on_a_fresh_checkout_prints_both_steps(sandbox):
+    """No base yet: the LoRA step's checks wait for the base the first step makes (they failed
+    with '--base-checkpoint runs/demo/base: no such file or directory'); nothing is written."""
+    demo = sandbox["tmp"] / "demo"
+    proc = _launch(sandbox, ["--dry-run"], SLMOE_DEMO_DIR=str(demo))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trainings = [line for line in proc.stdout.splitlines()
+                 if "-m megatron_slmoe.training.finetune" in line]
+    assert len(trainings) == 2
+    assert "--save-base" in trainings[0] and f"--base-checkpoint {demo}/base" in trainings[1]
+    assert "checked when it starts" in proc.stdout
+    assert not demo.exists()

@@ -107,6 +107,13 @@ def _peft_answers(path) -> list[str]:
     return answers
 
 
+def test_the_adapter_records_its_base_by_absolute_path_and_identity(path):
+    recorded = json.loads((path["run"] / "adapter" / "adapter_config.json").read_text())
+    base = recorded["base_model"]
+    assert base["hf_checkpoint"] == str(path["hf"].resolve())  # not relative to the launch dir
+    assert len(base["model_fingerprint"]) == 64 and len(base["tokenizer_sha256"]) == 64
+
+
 def test_generation_from_the_import_and_from_the_checkpoint_equals_transformers_peft(path):
     expected = _peft_answers(path)
     assert any(expected), expected  # the comparison is over some text

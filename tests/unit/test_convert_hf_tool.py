@@ -230,3 +230,23 @@ def test_command_line_exit_code_without_traceback(checkpoints, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "Traceback" not in proc.stderr and "unknown architecture" in proc.stderr
+
+
+def test_import_adapter_warns_when_the_adapter_names_another_base(checkpoints, tmp_path, caplog):
+    """Its shapes fit, so it is converted, but it was made for another model: a warning names
+    both (it was accepted without a word)."""
+    import logging
+
+    from peft import LoraConfig, get_peft_model
+
+    from megatron_slmoe.hf.peft_import import peft_to_adapter
+
+    root, models = checkpoints
+    peft = get_peft_model(hf_models.build("qwen3_moe"),
+                          LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"]))
+    peft.peft_config["default"].base_model_name_or_path = "someone/another-model"
+    peft.save_pretrained(tmp_path / "peft")
+    caplog.set_level(logging.WARNING)
+    peft_to_adapter(str(tmp_path / "peft"), str(root / "qwen"), str(tmp_path / "out"))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("'someone/another-model'" in m and str(root / "qwen") in m for m in warned), warned
