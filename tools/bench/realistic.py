@@ -171,7 +171,7 @@ def peft_worker(checkpoint: str, rows_path: str, steps: int, out_path: str) -> N
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    rows = torch.load(rows_path)
+    rows = torch.load(rows_path, weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj",
