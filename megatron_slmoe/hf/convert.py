@@ -21,10 +21,12 @@ from megatron_slmoe.hf.loader import HFModel, load_hf_weights
 MODEL_FILE = "model_config.yaml"
 
 
-def build_model_in_layout(model_config, params_dtype: torch.dtype = torch.float32, **overrides):
+def build_model_in_layout(model_config, params_dtype: torch.dtype = torch.float32, build=None,
+                          **overrides):
     """(model, TransformerConfig): this rank's stage of the model of ``model_config`` (a
     ModelConfig) under the layout of Megatron's parallel_state, built as the fine-tuning entry
-    point builds it, without random initialisation (every tensor is about to be read)."""
+    point builds it, without random initialisation (every tensor is about to be read).
+    ``build(model_config, config, pre_process, post_process)``: default the GPTModel."""
     from megatron.core import parallel_state
 
     from megatron_slmoe.parallel.config import ParallelConfig
@@ -41,9 +43,9 @@ def build_model_in_layout(model_config, params_dtype: torch.dtype = torch.float3
     config = run_transformer_config(
         model_config, parallel, bf16=params_dtype == torch.bfloat16,
         **{"perform_initialization": False, "params_dtype": params_dtype, **overrides})
-    model = build_gpt_model(model_config, config,
-                            pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=parallel_state.is_pipeline_last_stage())
+    model = (build or build_gpt_model)(model_config, config,
+                                       pre_process=parallel_state.is_pipeline_first_stage(),
+                                       post_process=parallel_state.is_pipeline_last_stage())
     mark_tensor_parallel_weights(model)
     return model, config
 

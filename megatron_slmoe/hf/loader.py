@@ -29,6 +29,7 @@ from megatron_slmoe.hf.checkpoint import HFCheckpoint, SliceReader
 from megatron_slmoe.hf.errors import HFCheckpointError
 from megatron_slmoe.hf.mappings import Family, family_for
 from megatron_slmoe.hf.mappings.kinds import Overlap
+from megatron_slmoe.model.tower_language import TowerLanguageModel
 
 
 @dataclass
@@ -56,11 +57,9 @@ def open_hf_checkpoint(hf_dir, check_shapes: bool = True) -> HFModel:
 def check_against_config(checkpoint: HFCheckpoint, family: Family) -> None:
     """Every tensor of the HF model that ``config.json`` describes is in a shard, in either expert
     layout, with the shape the config implies."""
-    from transformers import AutoModelForCausalLM
-
     hf_config = family.hf_config(checkpoint.config_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = family.hf_model_class().from_config(hf_config)
     shapes = {key: info.shape for key, info in checkpoint.tensors.items()}
     seen: set[int] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -119,7 +118,10 @@ def plan_reads(model_chunks: Iterable, hf: HFModel) -> list[tuple[str, tuple, Ov
     shapes = {key: info.shape for key, info in checkpoint.tensors.items()}
     reads = []
     for chunk in model_chunks:
-        for st in sharded_tensors(chunk.sharded_state_dict()):
+        state = chunk.sharded_state_dict()
+        if isinstance(chunk, TowerLanguageModel):  # the vision module is read by its own names
+            state = {k: v for k, v in state.items() if not k.startswith("vision.")}
+        for st in sharded_tensors(state):
             box = local_box(st)
             pieces = table.pieces(st.key, tuple(st.global_shape))
             if pieces is None:
@@ -163,6 +165,10 @@ def load_hf_weights(model_chunks, hf_dir, hf: Optional[HFModel] = None,
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     hf = hf or open_hf_checkpoint(hf_dir, check_shapes=False)
+    # An image-text model whose vision module is transformers' own: the language model is read
+    # by the table, the vision module by its own names.
+    visions = [c.vision for c in model_chunks
+               if isinstance(c, TowerLanguageModel) and c.vision is not None]
     reads = plan_reads(model_chunks, hf)
     order = sorted(range(len(reads)), key=lambda i: (
         hf.checkpoint.tensors[reads[i][0]].file, reads[i][0], _start(reads[i][1])))
@@ -172,5 +178,31 @@ def load_hf_weights(model_chunks, hf_dir, hf: Optional[HFModel] = None,
             stored, index, overlap, local = reads[i]
             overlap.to_megatron(reader.read(stored, index), local)
             report.reads += 1
+        for vision in visions:
+            copied = load_vision_weights(vision, hf.checkpoint, reader)
+            report.tensors += copied
+            report.reads += copied
         report.bytes_read = reader.bytes_read
     return report
+
+
+def load_vision_weights(vision: torch.nn.Module, checkpoint: HFCheckpoint,
+                        reader: SliceReader) -> int:
+    """Copy every tensor of a vision module (named as the checkpoint names it under
+    ``vision.hf_prefix``) from the checkpoint; the count copied. One HFCheckpointError line for a
+    tensor that is missing or has another shape."""
+    shapes = {key: info.shape for key, info in checkpoint.tensors.items()}
+    copied = 0
+    with torch.no_grad():
+        for name, tensor in vision.state_dict(keep_vars=True).items():
+            key = vision.hf_prefix + name
+            if key not in shapes:
+                raise HFCheckpointError(f"{checkpoint.directory}: tensor {key} (vision) is in "
+                                        f"no shard")
+            if tuple(shapes[key]) != tuple(tensor.shape):
+                raise HFCheckpointError(f"{checkpoint.where(key)} has shape {list(shapes[key])}; "
+                                        f"{checkpoint.config_path} implies "
+                                        f"{list(tensor.shape)} for {key}")
+            tensor.copy_(reader.read(key))
+            copied += 1
+    return copied

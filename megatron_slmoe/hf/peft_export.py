@@ -68,10 +68,9 @@ class PeftTarget:
 
 def hf_meta_model(hf: HFModel):
     """transformers' model of the base config on the meta device (names, module types)."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf.family.hf_config(hf.checkpoint.config_path))
+        return hf.family.hf_model_class().from_config(
+            hf.family.hf_config(hf.checkpoint.config_path))
 
 
 def _in_memory(hf: HFModel, canonical: str, params: dict) -> str:

@@ -56,8 +56,9 @@ def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
 
 def build_gpt_model(model_config: ModelConfig, transformer_config: TransformerConfig,
                     pre_process: bool = True, post_process: bool = True,
-                    vp_stage: int | None = None):
-    """Megatron's GPTModel with Stable Latent MoE layers (this rank's pipeline stage)."""
+                    vp_stage: int | None = None, **gpt_extra: Any):
+    """Megatron's GPTModel with Stable Latent MoE layers (this rank's pipeline stage);
+    ``gpt_extra``: further GPTModel arguments (a multimodal model's embedding settings)."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_slmoe.platform import apply_adaptor
@@ -69,4 +70,4 @@ def build_gpt_model(model_config: ModelConfig, transformer_config: TransformerCo
     spec = get_slmoe_decoder_block_spec(transformer_config, model_config.slmoe, vp_stage=vp_stage)
     return GPTModel(config=transformer_config, transformer_layer_spec=spec,
                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                    **model_config.gpt_kwargs())
+                    **model_config.gpt_kwargs(), **gpt_extra)

@@ -1,5 +1,6 @@
 """Rank-local HF import under TP=2 (sequence parallel), EP=2 and PP=2: for every family, the
-imported Megatron model's logits equal transformers' on the same tiny random checkpoint, and each
+imported Megatron model's logits equal transformers' on the same tiny random checkpoint (Kimi-K2.5
+on an image+text batch), and each
 rank read only its own slices (EP ranks read half the experts, TP ranks half the sharded rows).
 The dist checkpoint ``convert_hf import`` writes under EP=2 loads under PP=2 with the same logits.
 
@@ -28,7 +29,8 @@ def _load_converted(directory: str, input_ids: torch.Tensor):
     return hf_models.megatron_logits(model, input_ids)
 
 
-def _one_layout(layout: str, checkpoints: dict, input_ids: torch.Tensor, converted: str) -> dict:
+def _one_layout(layout: str, checkpoints: dict, input_ids: torch.Tensor, converted: str,
+                kimi_dir: str, kimi_inputs: dict) -> dict:
     from megatron_slmoe.hf.convert import import_to_dist_checkpoint
     from megatron_slmoe.hf.loader import open_hf_checkpoint
 
@@ -36,6 +38,8 @@ def _one_layout(layout: str, checkpoints: dict, input_ids: torch.Tensor, convert
     for name, hf_dir in checkpoints.items():
         logits, report = hf_models.import_and_run(hf_dir, input_ids)
         results[layout, name] = (logits, report.bytes_read)
+    logits, report = hf_models.kimi_import_and_run(kimi_dir, kimi_inputs)
+    results[layout, "kimi_k25"] = (logits, report.bytes_read)
     if layout == "ep2":
         import_to_dist_checkpoint(open_hf_checkpoint(checkpoints["deepseek_v3"]), converted)
     if layout == "pp2":
@@ -56,11 +60,16 @@ def parallel_results(tmp_path_factory):
     model = hf_models.save_family("qwen3_moe", str(root / "qwen3_moe-fused"), layout="fused")
     checkpoints["qwen3_moe-fused"] = str(root / "qwen3_moe-fused")
     references["qwen3_moe-fused"] = hf_models.hf_logits(model, input_ids)
+    # Kimi-K2.5 on an image+text batch: the vision tower and projector on the first stage.
+    kimi, kimi_inputs = hf_models.build_kimi(), hf_models.kimi_inputs()
+    hf_models.save(kimi, str(root / "kimi_k25"), layout="fused")
+    references["kimi_k25"] = hf_models.kimi_hf_logits(kimi, kimi_inputs)
     per_rank = [{} for _ in range(2)]
     for layout, sizes in LAYOUTS.items():  # in this order: pp2 loads what ep2 converted
         for rank, results in enumerate(run_ranks(
                 _one_layout, 2, etp=1, timeout=300.0, **sizes, layout=layout,
-                checkpoints=checkpoints, input_ids=input_ids, converted=str(root / "converted"))):
+                checkpoints=checkpoints, input_ids=input_ids, converted=str(root / "converted"),
+                kimi_dir=str(root / "kimi_k25"), kimi_inputs=kimi_inputs)):
             per_rank[rank].update(results)
     return per_rank, references
 
@@ -89,7 +98,7 @@ def test_ranks_read_only_their_slices(parallel_results):
     together read at least all of it (everything replicated is read by both)."""
     per_rank, _ = parallel_results
     for layout in ("tp2-sp", "ep2", "pp2"):
-        for name in hf_models.FAMILY_NAMES:
+        for name in (*hf_models.FAMILY_NAMES, "kimi_k25"):
             read = [rank[layout, name][1] for rank in per_rank]
             assert all(r > 0 for r in read)
             assert max(read) < sum(read), (layout, name, read)

@@ -206,10 +206,11 @@ def save_fp8(model, directory: str, block=(16, 16)) -> None:
 # --- the imported Megatron model -----------------------------------------------------------------
 
 
-def megatron_logits(model, input_ids: torch.Tensor):
+def megatron_logits(model, input_ids: torch.Tensor, **forward_kwargs):
     """Full-vocabulary logits ``[B, S, V]`` of this rank's Megatron model chunk, run through
     Megatron's forward-only schedule (pipeline stages exchange activations as in training); the
-    vocabulary shards of tensor parallelism are gathered. None on all but the last stage."""
+    vocabulary shards of tensor parallelism are gathered. None on all but the last stage.
+    ``forward_kwargs``: the model's further inputs (images)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -218,7 +219,7 @@ def megatron_logits(model, input_ids: torch.Tensor):
     position_ids = torch.arange(seq).expand(batch, seq)
 
     def step(data_iterator, chunk):
-        output = chunk(next(data_iterator), position_ids, None)
+        output = chunk(next(data_iterator), position_ids, None, **forward_kwargs)
 
         def collect(output_tensor):
             if parallel_state.get_tensor_model_parallel_world_size() > 1:
@@ -285,3 +286,97 @@ def assert_same_tensors(expected_dir, actual_dir):
     assert read["actual"].keys() == read["expected"].keys()
     for key, tensor in read["expected"].items():
         assert torch.equal(read["actual"][key], tensor), key
+
+
+# --- Kimi-K2.5: a MoonViT tower and projector in front of a DeepSeek-V3 language model ----------
+
+KIMI_IMAGE_TOKEN = 60  # inside the tiny vocabulary; the processor's placeholder id
+
+
+def kimi_config(text_overrides: dict | None = None, **overrides):
+    """A tiny ``Kimi_K25Config``: the DeepSeek-V3 test model as its language model
+    (``text_overrides`` change it), a 2-layer MoonViT (patch 14, 2x2 merge, an 8x8 position
+    table so small images resample it)."""
+    import transformers
+
+    text = _config("deepseek_v3", **(text_overrides or {})).to_dict()
+    vision = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2,
+                  num_attention_heads=2, num_hidden_layers=2, hidden_size=16,
+                  intermediate_size=24)
+    return transformers.Kimi_K25Config(**{**dict(
+        text_config=text, vision_config=vision, projection_hidden_size=16,
+        image_token_id=KIMI_IMAGE_TOKEN, video_token_id=61, vision_start_token_id=62,
+        vision_end_token_id=63, tie_word_embeddings=False), **overrides})
+
+
+def build_kimi(seed: int = 0, text_overrides: dict | None = None, **overrides):
+    """The Kimi-K2.5 model with random weights at the scales ``build`` uses (fp32, eval)."""
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    config = kimi_config(text_overrides, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(config).float().eval()
+    _randomise(model, seed)
+    return model
+
+
+def _randomise(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, tensor in model.named_parameters():
+            noise = torch.randn(tensor.shape, generator=gen)
+            if "norm" in pname:
+                tensor.copy_(1.0 + 0.2 * noise)
+            elif tensor.dim() == 1:  # biases, the score-correction bias
+                tensor.copy_(0.2 * noise)
+            elif "position_embeddings" in pname:
+                tensor.copy_(0.5 * noise)
+            else:
+                fan_in = tensor[0].numel() if tensor.dim() > 1 else tensor.numel()
+                tensor.copy_(noise / math.sqrt(fan_in))
+
+
+def kimi_inputs(batch: int = 2, seed: int = 7) -> dict:
+    """An image+text batch in the form Kimi-K2.5's image processor gives: images of different
+    patch grids (one per row; 4x6 and 6x4 patches of 14x14), their patches flattened in raster
+    order ``pixel_values`` [patches, 3, 14, 14] with ``image_grid_thw`` [images, 3]; each row
+    ``text, one placeholder per merged 2x2 patch, text``, padded to one length with ordinary
+    tokens. (The processor itself needs torchvision, whose wheels do not load with the CPU torch
+    build here; the model's parity does not depend on where the pixels come from.)"""
+    gen = torch.Generator().manual_seed(seed)
+    grids = [(1, 4, 6), (1, 6, 4), (1, 4, 4)][:batch]
+    grid = torch.tensor(grids)
+    patches = int(sum(t * h * w for t, h, w in grids))
+    pixel_values = torch.randn(patches, 3, 14, 14, generator=gen)
+    rows = []
+    for _, h, w in grids:
+        text = torch.randint(0, KIMI_IMAGE_TOKEN, (6,), generator=gen)  # rows of 12: TP=2 divides
+        rows.append(torch.cat([text[:2], torch.full((h * w // 4,), KIMI_IMAGE_TOKEN), text[2:]]))
+    length = max(len(r) for r in rows)
+    input_ids = torch.stack([torch.cat([r, torch.randint(0, KIMI_IMAGE_TOKEN, (length - len(r),),
+                                                         generator=gen)]) for r in rows])
+    return dict(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid)
+
+
+def kimi_hf_logits(model, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).logits.float()
+
+
+def kimi_import_and_run(hf_dir: str, inputs: dict):
+    """This rank's Kimi-K2.5 built from ``hf_dir`` in the current layout, loaded rank-locally;
+    its logits on ``inputs`` (None on non-last pipeline stages) and the load report."""
+    from functools import partial
+
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.hf.kimi_k25 import build_kimi_k25
+    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+
+    hf = open_hf_checkpoint(hf_dir, check_shapes=True)
+    hf_config = hf.family.hf_config(hf.checkpoint.config_path)
+    model, _ = build_model_in_layout(hf.model_config,
+                                     build=partial(build_kimi_k25, hf_config=hf_config))
+    report = load_hf_weights([model], hf_dir, hf)
+    extra = {k: inputs[k] for k in ("pixel_values", "image_grid_thw")}
+    return megatron_logits(model, inputs["input_ids"], **extra), report

@@ -12,12 +12,13 @@ from __future__ import annotations
 from megatron_slmoe.hf.errors import HFCheckpointError
 from megatron_slmoe.hf.mappings.deepseek_v3 import DeepseekV3Family
 from megatron_slmoe.hf.mappings.family import Family
+from megatron_slmoe.hf.mappings.kimi_k25 import KimiK25Family
 from megatron_slmoe.hf.mappings.nemotron_h import NemotronHFamily
 from megatron_slmoe.hf.mappings.qwen3_moe import Qwen3MoeFamily
 from megatron_slmoe.hf.mappings.slmoe import StableLatentMoeFamily
 
 FAMILIES: tuple[Family, ...] = (Qwen3MoeFamily(), DeepseekV3Family(), NemotronHFamily(),
-                                StableLatentMoeFamily())
+                                StableLatentMoeFamily(), KimiK25Family())
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 
 

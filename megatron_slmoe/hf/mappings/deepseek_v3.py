@@ -108,11 +108,14 @@ class DeepseekV3Family(Family):
         gpt = c.gpt_fields(rotary_base=rope["rope_theta"])
         return transformer, gpt
 
-    def table(self, model_config):
+    def table(self, model_config, model: str = "model", head: str = "lm_head"):
+        """``model`` / ``head``: where the decoder and the output layer are in the checkpoint
+        (a multimodal model holds this language model under another prefix)."""
         t = model_config.transformer
-        hf, meg = "model.layers.{layer}", "decoder.layers.{layer}"
+        hf, meg = model + ".layers.{layer}", "decoder.layers.{layer}"
         attn, mla = f"{hf}.self_attn", f"{meg}.self_attention"
-        rules = embedding_rules("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+        rules = embedding_rules(f"{model}.embed_tokens.weight", f"{head}.weight",
+                                f"{model}.norm.weight",
                                 model_config.share_embeddings_and_output_weights)
         rules += layernorm_rules(f"{hf}.input_layernorm.weight",
                                  f"{hf}.post_attention_layernorm.weight")

@@ -106,6 +106,8 @@ class Family:
     name: str = ""
     architectures: tuple[str, ...] = ()
     layouts: Layouts = Layouts()
+    multimodal: bool = False
+    """Whether the checkpoint holds a vision tower and projector beside the language model."""
 
     def transformer_fields(self, c: ConfigReader) -> tuple[dict, dict]:
         """(TransformerConfig fields, GPTModel fields) of the model ``config.json`` describes."""
@@ -118,6 +120,12 @@ class Family:
     def config_class(self):
         """transformers' config class of the family."""
         raise NotImplementedError
+
+    def hf_model_class(self):
+        """transformers' auto class that builds the family's model from its config."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
 
     def hf_config(self, path: str):
         """The transformers config of ``config.json`` (for the shape check on the meta device),

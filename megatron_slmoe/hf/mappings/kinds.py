@@ -216,6 +216,12 @@ class MappingTable:
         self._compiled = [(template_regex(r.megatron), r) for r in self.rules]
         self._derive = derive
 
+    def under(self, prefix: str) -> "MappingTable":
+        """The same rules for a model that holds this one's tensors under ``prefix`` (the
+        language model of an image-text model)."""
+        return MappingTable([Rule(prefix + r.megatron, r.kind) for r in self.rules],
+                            self._derive)
+
     def names(self, names: dict) -> dict:
         """The placeholders of a Megatron name's numbers (``layer``, ``expert``) and those
         derived from them, for formatting the HF templates."""

@@ -1,0 +1,62 @@
+"""Kimi-K2.5 (``Kimi_K25ForConditionalGeneration``): a MoonViT vision tower and projector in front
+of a DeepSeek-V3 language model.
+
+The language model is the DeepSeek-V3 family's (``text_config``; its table under the multimodal
+checkpoint's prefixes), built and sharded by Megatron-Core like any of our language models. The
+published checkpoints hold it as ``language_model.model.*`` / ``language_model.lm_head``;
+transformers 5 holds and, with ``save_pretrained(save_original_format=False)``, writes it as
+``model.language_model.*`` / ``lm_head``: both are read. Whether the output layer is the
+embedding is the top-level ``tie_word_embeddings`` (transformers ties by the top-level config; a
+Kimi-K2.5 config without the key ties).
+
+The vision tower and projector are transformers' own modules (``hf.kimi_k25`` builds and loads
+them): see there for why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_slmoe.hf.mappings.deepseek_v3 import DeepseekV3Family
+from megatron_slmoe.hf.mappings.family import ConfigReader
+from megatron_slmoe.hf.mappings.layouts import Layouts, Renamed
+from megatron_slmoe.hf.mappings.qwen3_moe import GATED_EXPERTS
+from megatron_slmoe.model.model_file import ModelConfig
+
+LANGUAGE_MODEL, HEAD = "language_model.model", "language_model.lm_head"
+MEGATRON_LANGUAGE_MODEL = "language_model."
+
+
+class KimiK25Family(DeepseekV3Family):
+    name = "kimi_k25"
+    architectures = ("Kimi_K25ForConditionalGeneration",)
+    layouts = Layouts(renames=(Renamed(LANGUAGE_MODEL + ".", "model.language_model."),
+                               Renamed(HEAD + ".", "lm_head.")),
+                      fused=GATED_EXPERTS.fused)
+    multimodal = True
+
+    def model_config(self, config: dict, path: str) -> ModelConfig:
+        top = ConfigReader(config, path)
+        text = top.get("text_config")
+        top.require(isinstance(text, dict), "text_config is missing (a Kimi-K2.5 config holds "
+                                            "its language model's settings there)")
+        top.require(isinstance(top.get("vision_config"), dict), "vision_config is missing")
+        language = super().model_config(text, f"{path} text_config")
+        tied = top.bool("tie_word_embeddings", True)
+        return dataclasses.replace(language, source=path,
+                                   share_embeddings_and_output_weights=tied)
+
+    def table(self, model_config, model: str = LANGUAGE_MODEL, head: str = HEAD):
+        """DeepSeek-V3's table for the language model, which the image-text model
+        (``TowerLanguageModel``) holds as ``language_model``."""
+        return super().table(model_config, model=model, head=head).under(MEGATRON_LANGUAGE_MODEL)
+
+    def config_class(self):
+        from transformers import Kimi_K25Config
+
+        return Kimi_K25Config
+
+    def hf_model_class(self):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText

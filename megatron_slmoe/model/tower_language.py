@@ -1,0 +1,97 @@
+"""An image-text model whose vision side is a module from elsewhere (a transformers vision tower
+and projector) and whose language model is our Megatron-Core GPTModel.
+
+Used where Megatron-Core has no faithful build of a checkpoint's tower (``LLaVAModel`` takes
+CLIP, SigLIP, InternViT and RADIO towers; Kimi-K2.5's MoonViT is none of them, see
+``hf.kimi_k25``). The vision module maps ``(pixel_values, image_grid_thw)`` to one language-width
+embedding per image token ``[N, hidden]``; it lives on the first pipeline stage, replicated over
+tensor, expert and data parallelism (a tower of a few hundred million parameters beside a
+language model of a trillion gains nothing from sharding).
+
+Forward on the first stage: the text embedding of every token (image tokens embedded as id 0,
+as transformers does), the image embeddings written over the image tokens in the token order of
+the batch (row after row), then, under sequence parallelism, the sequence scattered over the TP
+ranks; the language model runs on these embeddings. The positions are the text positions
+(Kimi-K2.5 gives image tokens plain 1D positions). Later stages run the language model alone.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+
+
+class ImageTokenMismatch(ValueError):
+    """A batch whose image tokens do not match its images' embeddings; the message is one line."""
+
+
+class TowerLanguageModel(MegatronModule):
+    """``language_model``: this stage's GPTModel, built with
+    ``scatter_embedding_sequence_parallel=False`` (the image embeddings are written in before the
+    scatter). ``vision``: the vision module on the first stage, None elsewhere."""
+
+    def __init__(self, language_model, vision: Optional[torch.nn.Module], image_token_id: int):
+        super().__init__(config=language_model.config)
+        self.language_model = language_model
+        self.vision = vision
+        self.image_token_id = image_token_id
+        self.model_type = language_model.model_type  # read by Megatron's schedules
+        self.pre_process = language_model.pre_process
+        self.post_process = language_model.post_process
+        self.share_embeddings_and_output_weights = (
+            language_model.share_embeddings_and_output_weights)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              pixel_values: Optional[torch.Tensor] = None,
+              image_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The first stage's input embeddings ``[S, B, hidden]`` (this rank's part of the
+        sequence under sequence parallelism)."""
+        image = input_ids == self.image_token_id
+        text_ids = input_ids.masked_fill(image, 0)
+        embeddings = self.language_model.embedding(input_ids=text_ids, position_ids=position_ids)
+        if pixel_values is not None:
+            features = self.vision(pixel_values, image_grid_thw)
+            wanted = int(image.sum())
+            if features.shape[0] != wanted:
+                raise ImageTokenMismatch(f"the batch has {wanted} image tokens, its images "
+                                         f"{features.shape[0]} embeddings")
+            batch_first = embeddings.transpose(0, 1)
+            batch_first = batch_first.masked_scatter(image.unsqueeze(-1),
+                                                     features.to(embeddings.dtype))
+            embeddings = batch_first.transpose(0, 1).contiguous()
+        elif image.any():
+            raise ImageTokenMismatch(f"the batch has {int(image.sum())} image tokens and no "
+                                     f"images")
+        if self.config.sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+        return embeddings
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None,
+                pixel_values: Optional[torch.Tensor] = None,
+                image_grid_thw: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, **kwargs):
+        decoder_input = None
+        if self.pre_process:
+            decoder_input = self.embed(input_ids, position_ids, pixel_values, image_grid_thw)
+        return self.language_model(input_ids, position_ids, attention_mask,
+                                   decoder_input=decoder_input, labels=labels, **kwargs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None):
+        """The language model's tensors under ``language_model.`` (sharded as Megatron shards
+        them), the vision module's under ``vision.`` (whole on every rank)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.language_model.sharded_state_dict(f"{prefix}language_model.",
+                                                       sharded_offsets, metadata)
+        if self.vision is not None:
+            vision = self.vision.state_dict(prefix=f"{prefix}vision.", keep_vars=True)
+            state.update(make_sharded_tensors_for_checkpoint(vision, ""))
+        return state
