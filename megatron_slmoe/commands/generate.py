@@ -151,6 +151,7 @@ def _build(args: argparse.Namespace, base, parallel, platform):
     """This rank's stage of the base model (+ adapter), ready to generate."""
     from megatron_slmoe.lora.adapter import AdapterError, load_adapter, read_adapter_config
     from megatron_slmoe.lora.inject import inject_lora
+    from megatron_slmoe.model.build import build_gpt_model
     from megatron_slmoe.runtime import model as runtime
 
     precision = runtime.resolve_precision(base.section, platform)
@@ -160,7 +161,8 @@ def _build(args: argparse.Namespace, base, parallel, platform):
         init_single_rank(args.seed)
     runtime.init_distributed(parallel, args.seed, platform)
     model, _ = runtime.build_model(base.model_config, parallel, precision == "bf16", platform,
-                                   initialize=False)
+                                   initialize=False,
+                                   build=runtime.model_builder(build_gpt_model, base.hf))
     try:
         runtime.load_base_weights(model, base.section, base.hf)
     except (KeyboardInterrupt, SystemExit):

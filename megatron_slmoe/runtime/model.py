@@ -87,6 +87,18 @@ def build_model(model_config: ModelConfig, parallel: ParallelConfig, bf16: bool,
     return model, config
 
 
+def model_builder(default, hf=None):
+    """The builder of the run's model: an HF checkpoint's image-text model where it has a vision
+    side (Kimi-K2.5), else ``default`` (the task's, or the language model's)."""
+    if hf is not None:
+        from megatron_slmoe.hf.kimi_k25 import hf_model_builder
+
+        build = hf_model_builder(hf)
+        if build is not None:
+            return build
+    return default
+
+
 def load_base_weights(model, model_section: ModelSection, hf=None, storage=None) -> None:
     """The base weights the run names: a Megatron dist checkpoint (``--base-checkpoint``, in
     whatever layout it was saved; a stored one is read from the node's copy through

@@ -137,7 +137,7 @@ class Engine:
         model, transformer_config = runtime.build_model(
             model_config, run.parallel, run.model.precision == "bf16", self.platform,
             initialize=not (run.model.base_checkpoint or run.model.hf_checkpoint),
-            build=task.build_model)
+            build=runtime.model_builder(task.build_model, hf))
         runtime.load_base_weights(model, run.model, hf, storage)
         task.after_base_weights(model)
         if run.model.finetune_mode == "lora":

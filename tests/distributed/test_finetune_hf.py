@@ -5,6 +5,9 @@ the weights, and the tokenizer (with its chat template) is the checkpoint's.
 - under EP=2 (the trainer's own set-up on the rank pool), the held-out loss before training is
   transformers' loss of the same checkpoint on the same batches (LoRA starts at zero), so the
   weights and the tokenizer really are the checkpoint's; the adapter then trains;
+- Kimi-K2.5 (a MoonViT tower and projector before a DeepSeek-V3 language model): ``--task text``
+  fine-tunes its language model (held-out loss before training = transformers' on text, under
+  EP=2), ``--task image-text`` is refused before start-up in one line;
 - the entry point's checks before start-up pass on it; the launcher (``HF_CHECKPOINT``) refuses
   a truncated shard in one line, exit code 2, before torchrun starts (``--validate-only``).
 """
@@ -66,6 +69,40 @@ def ep2_run(checkpoint):
                         args=_args(hf_dir, output, "--expert-model-parallel-size", "2"))
     assert results[0] == results[1]  # every rank reports the reduced losses
     return output, results[0]
+
+
+@pytest.fixture(scope="module")
+def kimi_checkpoint(tmp_path_factory):
+    hf_dir = tmp_path_factory.mktemp("hf-finetune") / "kimi-k25"
+    model = hf_models.build_kimi(text_overrides=dict(vocab_size=VOCAB,
+                                                     max_position_embeddings=SEQ))
+    hf_models.save(model, str(hf_dir), layout="fused")
+    hf_models.save_chatml_tokenizer(hf_dir)
+    return hf_dir, model
+
+
+def test_kimi_k25_language_model_fine_tunes_on_text(kimi_checkpoint):
+    hf_dir, model = kimi_checkpoint
+    output = hf_dir.parent / "kimi-ep2"
+    results = run_ranks(finetune_steps, 2, ep=2,
+                        args=_args(hf_dir, output, "--expert-model-parallel-size", "2"))
+    assert results[0] == results[1]
+    result = results[0]
+    assert result["eval_before"] == pytest.approx(_transformers_held_out_loss(hf_dir, model),
+                                                  rel=1e-5)
+    assert result["losses"][1] != result["losses"][0]
+    assert result["eval_after"] != result["eval_before"]
+
+
+def test_kimi_k25_image_text_task_is_refused_in_one_line(kimi_checkpoint, tmp_path, capsys):
+    from megatron_slmoe.training.finetune import main
+
+    hf_dir, _ = kimi_checkpoint
+    assert main([*_args(hf_dir, tmp_path / "run"), "--task", "image-text",
+                 "--validate-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--task image-text does not take --hf-checkpoint" in err[0], err
+    assert not (tmp_path / "run").exists()
 
 
 def _transformers_held_out_loss(hf_dir: Path, model) -> float:
