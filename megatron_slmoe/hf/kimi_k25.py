@@ -11,22 +11,42 @@ keep equal to transformers'; the module itself is exact by construction. The tow
 parameters next to a ~1 T language model, so it is replicated on the first pipeline stage rather
 than sharded, and frozen unless the run trains it.
 
-The vision module's parameter names are the checkpoint's under ``model.`` in transformers 5's
-layout (``model.vision_tower.*``, ``model.mm_projector.*``; what ``save_pretrained(
-save_original_format=False)`` writes). The language model's tensors are read by the family table
-(``mappings.kimi_k25``), each rank its own slices.
+The vision module's tensors are read whole, by transformers 5's names under ``model.``
+(``model.vision_tower.*``, ``model.mm_projector.*``; what ``save_pretrained(
+save_original_format=False)`` writes) or the published checkpoints' (``KimiK25Vision.hf_sources``).
+The language model's tensors are read by the family table (``mappings.kimi_k25``), each rank its
+own slices.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from functools import partial
 from typing import Callable, Optional
 
 import torch
 
+from megatron_slmoe.hf.vision_sources import VisionSource
 from megatron_slmoe.model.build import build_gpt_model
 from megatron_slmoe.model.tower_language import TowerLanguageModel
+
+
+# transformers' name in a MoonViT block -> the published checkpoints' (q/k/v: ``wqkv``).
+_HUB_BLOCK_NAMES = (("norm1.", "norm0."), ("norm2.", "norm1."), ("attn.proj.", "wo."),
+                    ("mlp.fc1.", "mlp.fc0."), ("mlp.fc2.", "mlp.fc1."))
+# Outside the blocks: transformers' prefix -> the published names (the patch embedding has been
+# written under ``encoder.`` too, by transformers' own original-format writer).
+_HUB_NAMES = (
+    ("vision_tower.patch_embed.pos_emb.position_embeddings",
+     ("vision_tower.patch_embed.pos_emb.weight",)),
+    ("vision_tower.patch_embed.", ("vision_tower.patch_embed.",
+                                   "vision_tower.encoder.patch_embed.")),
+    ("vision_tower.final_layernorm.", ("vision_tower.encoder.final_layernorm.",)),
+    ("mm_projector.in_proj.", ("mm_projector.proj.0.",)),
+    ("mm_projector.out_proj.", ("mm_projector.proj.2.",)),
+    ("mm_projector.pre_norm.", ("mm_projector.pre_norm.",)),
+)
 
 
 class KimiK25Vision(torch.nn.Module):
@@ -45,6 +65,34 @@ class KimiK25Vision(torch.nn.Module):
         vision_config._attn_implementation = "sdpa"
         self.vision_tower = Kimi_K25VisionModel(vision_config)
         self.mm_projector = Kimi_K25MultimodalProjection(hf_config)
+
+    def hf_sources(self, name: str) -> list[VisionSource]:
+        """Where the checkpoint stores tensor ``name`` of this module: transformers 5's name
+        under ``model.``, else the published checkpoints' (MoonViT's original names, which
+        transformers renames on load: ``encoder.blocks.N`` with ``norm0/norm1``, ``wo``,
+        ``mlp.fc0/fc1``, q/k/v fused as ``wqkv`` with rotary rows interleaved per head; the
+        projector's ``proj.0/proj.2``)."""
+        sources = [VisionSource(self.hf_prefix + name)]
+        block = re.match(r"vision_tower\.layers\.(\d+)\.(.+)$", name)
+        if block:
+            layer, rest = block.groups()
+            qkv = re.match(r"attn\.([qkv])_proj\.(weight|bias)$", rest)
+            base = f"vision_tower.encoder.blocks.{layer}."
+            if qkv:
+                part = "qkv".index(qkv.group(1))
+                heads = self.vision_tower.config.num_attention_heads if part < 2 else None
+                sources.append(VisionSource(f"{base}wqkv.{qkv.group(2)}", part, 3, heads))
+            else:
+                for ours, hub in _HUB_BLOCK_NAMES:
+                    if rest.startswith(ours):
+                        sources.append(VisionSource(base + hub + rest[len(ours):]))
+                        break
+            return sources
+        for ours, hubs in _HUB_NAMES:
+            if name.startswith(ours):
+                sources += [VisionSource(hub + name[len(ours):]) for hub in hubs]
+                break
+        return sources
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         pooled = self.vision_tower(pixel_values, grid_thw=image_grid_thw).pooler_output

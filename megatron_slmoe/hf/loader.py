@@ -29,6 +29,7 @@ from megatron_slmoe.hf.checkpoint import HFCheckpoint, SliceReader
 from megatron_slmoe.hf.errors import HFCheckpointError
 from megatron_slmoe.hf.mappings import Family, family_for
 from megatron_slmoe.hf.mappings.kinds import Overlap
+from megatron_slmoe.hf.vision_sources import check_vision_tensors, load_vision_weights
 from megatron_slmoe.model.tower_language import TowerLanguageModel
 
 
@@ -62,10 +63,16 @@ def check_against_config(checkpoint: HFCheckpoint, family: Family) -> None:
         model = family.hf_model_class().from_config(hf_config)
     shapes = {key: info.shape for key, info in checkpoint.tensors.items()}
     seen: set[int] = set()
+    vision = family.vision_module(hf_config, device="meta")
+    if vision is not None:  # read by its own names (hf.vision_sources)
+        check_vision_tensors(vision, checkpoint)
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:  # tied weights are stored once
             continue
         seen.add(id(tensor))
+        if vision is not None and name.startswith(tuple(
+                vision.hf_prefix + child for child, _ in vision.named_children())):
+            continue
         for key, want in family.layouts.canonical(name, tuple(tensor.shape)):
             found = family.layouts.resolve(key, shapes)
             if found is None:
@@ -184,25 +191,3 @@ def load_hf_weights(model_chunks, hf_dir, hf: Optional[HFModel] = None,
             report.reads += copied
         report.bytes_read = reader.bytes_read
     return report
-
-
-def load_vision_weights(vision: torch.nn.Module, checkpoint: HFCheckpoint,
-                        reader: SliceReader) -> int:
-    """Copy every tensor of a vision module (named as the checkpoint names it under
-    ``vision.hf_prefix``) from the checkpoint; the count copied. One HFCheckpointError line for a
-    tensor that is missing or has another shape."""
-    shapes = {key: info.shape for key, info in checkpoint.tensors.items()}
-    copied = 0
-    with torch.no_grad():
-        for name, tensor in vision.state_dict(keep_vars=True).items():
-            key = vision.hf_prefix + name
-            if key not in shapes:
-                raise HFCheckpointError(f"{checkpoint.directory}: tensor {key} (vision) is in "
-                                        f"no shard")
-            if tuple(shapes[key]) != tuple(tensor.shape):
-                raise HFCheckpointError(f"{checkpoint.where(key)} has shape {list(shapes[key])}; "
-                                        f"{checkpoint.config_path} implies "
-                                        f"{list(tensor.shape)} for {key}")
-            tensor.copy_(reader.read(key))
-            copied += 1
-    return copied

@@ -62,6 +62,43 @@ def test_hub_layout_of_the_language_model(kimi, tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_original_format_as_transformers_writes_it(kimi, tmp_path):
+    """``save_pretrained``'s default: MoonViT's original names (``vision_tower.encoder.blocks.N``
+    with q/k/v fused as ``wqkv``, rotary rows interleaved per head; ``mm_projector.proj.0``),
+    written by transformers' own inverse of its loading conversion."""
+    from safetensors import safe_open
+
+    model, _ = kimi
+    hf_models.save(model, str(tmp_path), layout="original")
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "vision_tower.encoder.blocks.0.wqkv.weight" in keys
+    assert "mm_projector.proj.0.weight" in keys
+    inputs = hf_models.kimi_inputs()
+    logits, _ = hf_models.kimi_import_and_run(str(tmp_path), inputs)
+    torch.testing.assert_close(logits, hf_models.kimi_hf_logits(model, inputs),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_missing_or_misshapen_vision_tensor_is_one_line_before_start(kimi, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_slmoe.hf import HFCheckpointError
+    from megatron_slmoe.hf.loader import open_hf_checkpoint
+
+    _, directory = kimi
+    tensors = load_file(str(directory / "fused" / "model.safetensors"))
+    (tmp_path / "config.json").write_text((directory / "fused" / "config.json").read_text())
+    key = "model.vision_tower.layers.1.attn.k_proj.weight"
+    for broken, message in ((lambda t: t.pop(key), f"tensor {key} .vision. is in no shard"),
+                            (lambda t: t.__setitem__(key, t[key][:-2]), "has shape")):
+        copy = dict(tensors)
+        broken(copy)
+        save_file(copy, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(HFCheckpointError, match=message):
+            open_hf_checkpoint(str(tmp_path))
+
+
 def test_text_only_batch_is_the_language_model(kimi):
     model, directory = kimi
     input_ids = hf_models.tokens()

@@ -127,6 +127,11 @@ class Family:
 
         return AutoModelForCausalLM
 
+    def vision_module(self, hf_config, device: str = "cpu"):
+        """The vision module a multimodal family reads by its own names (None: a language
+        model), built on ``device``."""
+        return None
+
     def hf_config(self, path: str):
         """The transformers config of ``config.json`` (for the shape check on the meta device),
         without its quantization settings: the weights are dequantised on read."""

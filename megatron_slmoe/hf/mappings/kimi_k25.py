@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from megatron_slmoe.hf.kimi_k25 import KimiK25Vision
 from megatron_slmoe.hf.mappings.deepseek_v3 import DeepseekV3Family
 from megatron_slmoe.hf.mappings.family import ConfigReader
 from megatron_slmoe.hf.mappings.layouts import Layouts, Renamed
@@ -30,8 +33,11 @@ MEGATRON_LANGUAGE_MODEL = "language_model."
 class KimiK25Family(DeepseekV3Family):
     name = "kimi_k25"
     architectures = ("Kimi_K25ForConditionalGeneration",)
+    # transformers 5's in-memory names; and its original-format writer's ``blocks`` for the
+    # decoder layers (it reverses a rename meant for the tower; it reads them back).
     layouts = Layouts(renames=(Renamed(LANGUAGE_MODEL + ".", "model.language_model."),
-                               Renamed(HEAD + ".", "lm_head.")),
+                               Renamed(HEAD + ".", "lm_head."),
+                               Renamed(LANGUAGE_MODEL + ".layers.", LANGUAGE_MODEL + ".blocks.")),
                       fused=GATED_EXPERTS.fused)
     multimodal = True
 
@@ -50,6 +56,10 @@ class KimiK25Family(DeepseekV3Family):
         """DeepSeek-V3's table for the language model, which the image-text model
         (``TowerLanguageModel``) holds as ``language_model``."""
         return super().table(model_config, model=model, head=head).under(MEGATRON_LANGUAGE_MODEL)
+
+    def vision_module(self, hf_config, device: str = "cpu"):
+        with torch.device(device):
+            return KimiK25Vision(hf_config)
 
     def config_class(self):
         from transformers import Kimi_K25Config
