@@ -94,6 +94,55 @@ def test_kimi_k25_language_model_fine_tunes_on_text(kimi_checkpoint):
     assert result["eval_after"] != result["eval_before"]
 
 
+def _run_and_logits(args: list[str], adapter: str, hf_dir: str, inputs: dict):
+    """The whole run (the entry point's engine), then this rank's logits on an image+text batch
+    of the model the run trained: the checkpoint with the run's adapter, built afresh."""
+    from functools import partial
+
+    import megatron_slmoe
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.hf.kimi_k25 import build_kimi_k25
+    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+    from megatron_slmoe.lora.adapter import load_adapter, read_adapter_config
+    from megatron_slmoe.lora.inject import inject_lora
+    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.finetune import parse
+
+    assert Engine(parse(args).run, megatron_slmoe.PLATFORM).run() == 0
+    hf = open_hf_checkpoint(hf_dir)
+    model, _ = build_model_in_layout(hf.model_config, build=partial(
+        build_kimi_k25, hf_config=hf.family.hf_config(hf.checkpoint.config_path)))
+    load_hf_weights([model], hf_dir, hf)
+    lora_config, _ = read_adapter_config(adapter)
+    inject_lora([model], lora_config)
+    load_adapter([model], adapter)
+    return hf_models.megatron_logits(model, inputs["input_ids"],
+                                     pixel_values=inputs["pixel_values"],
+                                     image_grid_thw=inputs["image_grid_thw"])
+
+
+def test_kimi_k25_trained_adapter_in_peft_gives_our_image_text_logits(kimi_checkpoint, tmp_path):
+    """Ten LoRA steps on text under EP=2 with the run's own PEFT export (--export-hf, fused
+    experts): PEFT's Kimi_K25ForConditionalGeneration with it gives our image+text logits."""
+    from peft import PeftModel
+
+    hf_dir, model = kimi_checkpoint
+    output, peft_dir = tmp_path / "run", tmp_path / "peft"
+    args = [*_args(hf_dir, output, "--expert-model-parallel-size", "2", "--export-hf",
+                   str(peft_dir), "--export-hf-layout", "fused")]
+    args[args.index("--train-iters") + 1] = "10"
+    inputs = hf_models.kimi_inputs()
+    ours = run_ranks(_run_and_logits, 2, ep=2, args=args, adapter=str(output / "adapter"),
+                     hf_dir=str(hf_dir), inputs=inputs, timeout=600.0)
+    torch.testing.assert_close(ours[0], ours[1])
+    peft_model = PeftModel.from_pretrained(
+        hf_models.build_kimi(text_overrides=dict(vocab_size=VOCAB, max_position_embeddings=SEQ)),
+        str(peft_dir)).eval()
+    theirs = hf_models.kimi_hf_logits(peft_model, inputs)
+    torch.testing.assert_close(theirs, ours[0], rtol=1e-5, atol=2e-5)
+    assert (theirs - hf_models.kimi_hf_logits(model, inputs)).abs().max() > 1e-3  # it trained
+
+
 def test_kimi_k25_image_text_task_is_refused_in_one_line(kimi_checkpoint, tmp_path, capsys):
     from megatron_slmoe.training.finetune import main
 
