@@ -187,3 +187,28 @@ class LoRARowParallelLinear(LoRALinearMixin, RowParallelLinear):
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         return self._lora_sharded(sharded, prefix, sharded_offsets, metadata, {"lora_A": 1})
+
+
+class LoRAReplicatedLinear(LoRALinearMixin, torch.nn.Linear):
+    """``torch.nn.Linear`` + LoRA, for a module outside Megatron's tensor parallelism that every
+    rank holds whole (a transformers vision tower or projector): A [r, in] and B [out, r] whole
+    too. Its input is the same on every tensor-parallel rank, so are its gradients."""
+
+    @classmethod
+    def from_base(cls, base: torch.nn.Linear, lora_config: LoRAConfig,
+                  name: str) -> "LoRAReplicatedLinear":
+        if type(base) is not torch.nn.Linear:
+            raise TypeError(f"{name}: expected a torch.nn.Linear, got {type(base).__name__}")
+        base.__class__ = cls
+        base._lora_setup(lora_config, name, torch.nn.Linear)
+        r = lora_config.rank
+        base._lora_make((r, base.in_features), (base.out_features, r))
+        base._lora_init_a(lora_config.init_seed)
+        return base
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.Linear.forward(self, input_)
+                + self._lora_branch_replicated(input_, None, dtype=input_.dtype))
+
+    def lora_pieces(self):
+        return self._replicated_pieces()

@@ -14,9 +14,9 @@ name adapts, and how. A new target is one ``ModuleKind`` entry here.
 ``router``         ``mlp.router`` (gating linear)
 ``latent``         ``mlp.latent_down`` and ``mlp.latent_up``
 ``vision_attention`` multimodal models: the vision tower's ``self_attention.linear_qkv`` and
-                   ``.linear_proj``
+                   ``.linear_proj`` (a transformers tower: ``attn.q_proj/k_proj/v_proj/proj``)
 ``projector``      multimodal models: the vision projector's ``linear_fc1`` / ``linear_fc2``
-                   (or its one affine linear)
+                   (or its one affine linear; a transformers projector: its linears)
 =================  ==========================================================================
 
 **Regions.** A multimodal model (Megatron's LLaVAModel) holds a vision tower (``vision_model``) and
@@ -40,7 +40,11 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron_slmoe.lora.config import TARGET_NAMES, LoRAConfig
 from megatron_slmoe.lora.experts import LoRALatentSwiGLUExperts
 from megatron_slmoe.lora.latent import LoRALatentProjection
-from megatron_slmoe.lora.linear import LoRAColumnParallelLinear, LoRARowParallelLinear
+from megatron_slmoe.lora.linear import (
+    LoRAColumnParallelLinear,
+    LoRAReplicatedLinear,
+    LoRARowParallelLinear,
+)
 from megatron_slmoe.lora.router import LoRARouterMixin
 from megatron_slmoe.moe.experts import LatentSwiGLUExperts
 from megatron_slmoe.moe.latent import LatentProjection
@@ -57,8 +61,11 @@ Adapter = Callable[[torch.nn.Module, torch.nn.Module, str, LoRAConfig, str, set]
 REGIONS = ("language", "vision", "projector")
 """Where a module sits: the (language) model, a multimodal model's vision tower or its projector."""
 
-# LLaVAModel's attribute -> the region of every module under it.
-_REGION_ROOTS = {"vision_model": "vision", "vision_projection": "projector"}
+# The attribute of a multimodal model's vision side -> the region of every module under it:
+# LLaVAModel's, and those of a transformers tower and projector (Kimi-K2.5's, in
+# ``hf.kimi_k25.KimiK25Vision``).
+_REGION_ROOTS = {"vision_model": "vision", "vision_projection": "projector",
+                 "vision_tower": "vision", "mm_projector": "projector"}
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,10 @@ def _linear(child, parent, attr, lora_config, name, wanted):
     raise TypeError(f"{name} is a {type(child).__name__}; LoRA adapts Megatron's local "
                     f"ColumnParallelLinear/RowParallelLinear (build the model without "
                     f"Transformer Engine)")
+
+
+def _replicated(child, parent, attr, lora_config, name, wanted):
+    return LoRAReplicatedLinear.from_base(child, lora_config, name)
 
 
 def _experts(child, parent, attr, lora_config, name, wanted):
@@ -136,6 +147,16 @@ MODULE_KINDS: tuple[ModuleKind, ...] = (
                lambda parent, attr, child: isinstance(child, (ColumnParallelLinear,
                                                               RowParallelLinear)),
                _linear, region="projector"),
+    # A transformers tower and projector (replicated): the attention's q/k/v and output
+    # projections, the projector's linears.
+    ModuleKind("hf_vision_attention", ("vision_attention",),
+               lambda parent, attr, child: type(child) is torch.nn.Linear
+               and attr in ("q_proj", "k_proj", "v_proj", "proj")
+               and all(hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj")),
+               _replicated, region="vision"),
+    ModuleKind("hf_projector_linear", ("projector",),
+               lambda parent, attr, child: type(child) is torch.nn.Linear, _replicated,
+               region="projector"),
 )
 
 TARGETS: tuple[str, ...] = TARGET_NAMES

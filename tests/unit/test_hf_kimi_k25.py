@@ -4,7 +4,8 @@ and projector transformers' own modules, the language model Megatron-Core's with
 its logits on image+text batches (two images of different patch grids) equal transformers'
 (fp32, 1e-5), in both checkpoint layouts of the language model; without images the model is the
 text model; a batch whose image tokens do not match its images is refused in one line. Out: LoRA
-on the language model's attention, experts, shared experts and router, exported by
+on the language model's attention, experts, shared experts and router, and on the tower's
+attention and the projector (transformers' modules), exported by
 ``slmoe-convert-hf export`` as a PEFT adapter that ``PeftModel.from_pretrained`` loads on
 ``Kimi_K25ForConditionalGeneration`` with our image+text logits."""
 
@@ -154,7 +155,8 @@ def test_peft_adapter_on_kimi_gives_our_image_text_logits(kimi, tmp_path):
         build_kimi_k25, hf_config=hf.family.hf_config(hf.checkpoint.config_path)))
     load_hf_weights([model], hf_dir, hf)
     lora_config = LoRAConfig(rank=4, alpha=8.0, targets=[
-        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "shared_experts", "router"])
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "shared_experts", "router",
+        "vision_attention", "projector"])
     inject_lora([model], lora_config)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # every factor random, as after training
@@ -171,8 +173,14 @@ def test_peft_adapter_on_kimi_gives_our_image_text_logits(kimi, tmp_path):
                        "--expert-layout", "fused"]) == 0
     with safe_open(str(tmp_path / "peft" / "adapter_model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    assert all(k.startswith("base_model.model.model.language_model.layers.") for k in keys)
+    prefixes = ("base_model.model.model.language_model.layers.",
+                "base_model.model.model.vision_tower.layers.", "base_model.model.model.mm_projector.")
+    assert all(k.startswith(prefixes) for k in keys)
     assert any(".mlp.experts.lora_A.weight" in k for k in keys)
+    for module in ("vision_tower.layers.1.attn.q_proj", "vision_tower.layers.0.attn.proj",
+                   "mm_projector.out_proj"):
+        assert f"base_model.model.model.{module}.lora_B.weight" in keys, module
+    assert not any(".mlp.fc1." in k for k in keys)  # the tower's MLP is not a target
     peft_model = PeftModel.from_pretrained(hf_models.build_kimi(), str(tmp_path / "peft")).eval()
     theirs = hf_models.kimi_hf_logits(peft_model, inputs)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=2e-5)

@@ -22,12 +22,17 @@ import torch
 from megatron_slmoe.hf.kimi_k25 import KimiK25Vision
 from megatron_slmoe.hf.mappings.deepseek_v3 import DeepseekV3Family
 from megatron_slmoe.hf.mappings.family import ConfigReader
+from megatron_slmoe.hf.mappings.kinds import Direct, MappingTable, Rule
 from megatron_slmoe.hf.mappings.layouts import Layouts, Renamed
 from megatron_slmoe.hf.mappings.qwen3_moe import GATED_EXPERTS
 from megatron_slmoe.model.model_file import ModelConfig
 
 LANGUAGE_MODEL, HEAD = "language_model.model", "language_model.lm_head"
 MEGATRON_LANGUAGE_MODEL = "language_model."
+VISION_LINEARS = (*(f"vision_tower.layers.{{layer}}.{m}" for m in (
+    "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.proj", "mlp.fc1", "mlp.fc2")),
+                  "mm_projector.in_proj", "mm_projector.out_proj")
+"""transformers' names of the linears of Kimi-K2.5's tower and projector (under ``model.``)."""
 
 
 class KimiK25Family(DeepseekV3Family):
@@ -54,8 +59,13 @@ class KimiK25Family(DeepseekV3Family):
 
     def table(self, model_config, model: str = LANGUAGE_MODEL, head: str = HEAD):
         """DeepSeek-V3's table for the language model, which the image-text model
-        (``TowerLanguageModel``) holds as ``language_model``."""
-        return super().table(model_config, model=model, head=head).under(MEGATRON_LANGUAGE_MODEL)
+        (``TowerLanguageModel``) holds as ``language_model``; and the tower's and projector's
+        linears (their module is transformers' own, ``vision``, read by its own names: these
+        rules name the HF weight of a LoRA on them)."""
+        language = super().table(model_config, model=model, head=head)
+        return MappingTable(language.under(MEGATRON_LANGUAGE_MODEL).rules + [
+            Rule(f"vision.{name}.weight", Direct(f"model.{name}.weight"))
+            for name in VISION_LINEARS])
 
     def vision_module(self, hf_config, device: str = "cpu"):
         with torch.device(device):
