@@ -28,6 +28,7 @@ from megatron_slmoe.hf.safetensors_stream import (
     WindowedReader,
     write_streamed,
 )
+from megatron_slmoe.hf.vision_sources import find_source
 
 INDEX = "model.safetensors.index.json"
 _TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -84,7 +85,17 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
                 loras[lora.hf_weight] = lora
     reader = SliceReader(checkpoint)
     planned = []
+    # A multimodal family's vision module is read by its own names (hf.vision_sources) and
+    # written as transformers 5 names it.
+    vision = hf.family.vision_module(hf.family.hf_config(checkpoint.config_path), device="meta")
+    vision_shapes = {} if vision is None else {
+        vision.hf_prefix + name: tuple(t.shape)
+        for name, t in vision.state_dict(keep_vars=True).items()}
     for key, shape in hf_weights(hf):
+        if key in vision_shapes:
+            planned.append(_vision_tensor(vision, key, checkpoint, reader, loras, source,
+                                          scaling))
+            continue
         found = hf.family.layouts.resolve(key, shapes)
         if found is None or found.shape != shape:
             raise HFCheckpointError(f"{checkpoint.directory}: tensor {key} {list(shape)} is in "
@@ -100,14 +111,7 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
 
         def produce(found=found, lora=lora, dtype=dtype):
             weight = reader.read(found.stored, found.index)
-            if lora is not None:
-                b = source.get_tensor(f"{lora.megatron}.lora_B.weight").float()
-                rows = torch.empty(lora.out_features, b.shape[1])
-                for row in lora.rows:
-                    rows[row.hf[0]:row.hf[1]] = b[row.megatron[0]:row.megatron[1]]
-                a = source.get_tensor(f"{lora.megatron}.lora_A.weight").float()
-                weight = weight.float() + scaling * (rows @ a)
-            return weight.to(dtype).contiguous()
+            return _merged(weight, lora, source, scaling).to(dtype).contiguous()
 
         planned.append(PlannedTensor(key, dtype, tuple(shape), produce))
     if loras:
@@ -119,6 +123,33 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
         reader.close()
         if source is not None:
             source.close()
+
+
+def _merged(weight: torch.Tensor, lora: Optional[HFLoRA], source, scaling: float) -> torch.Tensor:
+    """``weight`` + s B A of its LoRA (fp32), or ``weight`` without one."""
+    if lora is None:
+        return weight
+    b = source.get_tensor(f"{lora.megatron}.lora_B.weight").float()
+    rows = torch.empty(lora.out_features, b.shape[1])
+    for row in lora.rows:
+        rows[row.hf[0]:row.hf[1]] = b[row.megatron[0]:row.megatron[1]]
+    a = source.get_tensor(f"{lora.megatron}.lora_A.weight").float()
+    return weight.float() + scaling * (rows @ a)
+
+
+def _vision_tensor(vision, key: str, checkpoint, reader, loras: dict, source,
+                   scaling: float) -> PlannedTensor:
+    name = key[len(vision.hf_prefix):]
+    shape = tuple(vision.state_dict(keep_vars=True)[name].shape)
+    found = find_source(vision, name, shape, checkpoint)
+    dtype = _TORCH_DTYPES[checkpoint.tensors[found.key].dtype]
+    lora = loras.pop(key, None)
+
+    def produce():
+        weight = found.convert(reader.read(found.key))
+        return _merged(weight, lora, source, scaling).to(dtype).contiguous()
+
+    return PlannedTensor(key, dtype, shape, produce)
 
 
 def write_hf_checkpoint(output: str, planned: list[PlannedTensor], checkpoint,

@@ -46,7 +46,9 @@ def vision_sources(vision: torch.nn.Module, name: str) -> list[VisionSource]:
     return [VisionSource(vision.hf_prefix + name)]
 
 
-def _found_source(vision, name: str, shape: tuple, checkpoint: HFCheckpoint) -> VisionSource:
+def find_source(vision, name: str, shape: tuple, checkpoint: HFCheckpoint) -> VisionSource:
+    """The first stored form of the vision module's tensor ``name`` [``shape``] the checkpoint
+    has; one HFCheckpointError line when none, or when it has another shape."""
     sources = vision_sources(vision, name)
     found = next((s for s in sources if s.key in checkpoint.tensors), None)
     if found is None:
@@ -64,7 +66,7 @@ def check_vision_tensors(vision: torch.nn.Module, checkpoint: HFCheckpoint) -> N
     """Every tensor of a vision module (built on any device, the meta device too) is in the
     checkpoint with its shape; one HFCheckpointError line otherwise."""
     for name, tensor in vision.state_dict(keep_vars=True).items():
-        _found_source(vision, name, tuple(tensor.shape), checkpoint)
+        find_source(vision, name, tuple(tensor.shape), checkpoint)
 
 
 def load_vision_weights(vision: torch.nn.Module, checkpoint: HFCheckpoint,
@@ -74,7 +76,7 @@ def load_vision_weights(vision: torch.nn.Module, checkpoint: HFCheckpoint,
     copied = 0
     with torch.no_grad():
         for name, tensor in vision.state_dict(keep_vars=True).items():
-            source = _found_source(vision, name, tuple(tensor.shape), checkpoint)
+            source = find_source(vision, name, tuple(tensor.shape), checkpoint)
             tensor.copy_(source.convert(reader.read(source.key)))
             copied += 1
     return copied

@@ -7,7 +7,8 @@ text model; a batch whose image tokens do not match its images is refused in one
 on the language model's attention, experts, shared experts and router, and on the tower's
 attention and the projector (transformers' modules), exported by
 ``slmoe-convert-hf export`` as a PEFT adapter that ``PeftModel.from_pretrained`` loads on
-``Kimi_K25ForConditionalGeneration`` with our image+text logits."""
+``Kimi_K25ForConditionalGeneration`` with our image+text logits, and merged into a full
+checkpoint that ``Kimi_K25ForConditionalGeneration.from_pretrained`` loads with them."""
 
 import json
 
@@ -79,6 +80,17 @@ def test_original_format_as_transformers_writes_it(kimi, tmp_path):
     logits, _ = hf_models.kimi_import_and_run(str(tmp_path), inputs)
     torch.testing.assert_close(logits, hf_models.kimi_hf_logits(model, inputs),
                                rtol=1e-5, atol=1e-5)
+    # Written back (the base alone) in the names transformers 5 holds: it loads with the logits.
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from megatron_slmoe.commands.convert_hf import main as convert_hf
+
+    assert convert_hf(["export", "--hf-checkpoint", str(tmp_path), "--output",
+                       str(tmp_path / "written"), "--merged"]) == 0
+    written = Kimi_K25ForConditionalGeneration.from_pretrained(
+        str(tmp_path / "written"), dtype=torch.float32, attn_implementation="eager").eval()
+    torch.testing.assert_close(hf_models.kimi_hf_logits(written, inputs), logits,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_missing_or_misshapen_vision_tensor_is_one_line_before_start(kimi, tmp_path):
@@ -139,6 +151,7 @@ def test_peft_adapter_on_kimi_gives_our_image_text_logits(kimi, tmp_path):
 
     from peft import PeftModel
     from safetensors import safe_open
+    from transformers import Kimi_K25ForConditionalGeneration
 
     from megatron_slmoe.commands.convert_hf import main as convert_hf
     from megatron_slmoe.hf.convert import build_model_in_layout
@@ -181,6 +194,14 @@ def test_peft_adapter_on_kimi_gives_our_image_text_logits(kimi, tmp_path):
                    "mm_projector.out_proj"):
         assert f"base_model.model.model.{module}.lora_B.weight" in keys, module
     assert not any(".mlp.fc1." in k for k in keys)  # the tower's MLP is not a target
+    assert convert_hf(["export", "--adapter", str(tmp_path / "adapter"), "--hf-checkpoint",
+                       hf_dir, "--output", str(tmp_path / "merged"), "--merged"]) == 0
+    merged = Kimi_K25ForConditionalGeneration.from_pretrained(
+        str(tmp_path / "merged"), dtype=torch.float32, attn_implementation="eager").eval()
+    # W + s B A rounded once per weight, against the branch computed apart: with factors this
+    # large (0.3 N(0, 1)) a logit or two in a thousand differs by up to ~3e-5.
+    torch.testing.assert_close(hf_models.kimi_hf_logits(merged, inputs), ours,
+                               rtol=1e-5, atol=1e-4)
     peft_model = PeftModel.from_pretrained(hf_models.build_kimi(), str(tmp_path / "peft")).eval()
     theirs = hf_models.kimi_hf_logits(peft_model, inputs)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=2e-5)
