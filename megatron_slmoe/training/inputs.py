@@ -174,7 +174,8 @@ def _check_object_storage(run: RunConfig) -> None:
 def _check_image_text_paths(run: RunConfig) -> None:
     data, vision = run.data, run.vision
     for flag, path in (("--train-data", data.train_data), ("--valid-data", data.valid_data)):
-        if path and not os.path.isdir(os.path.join(path, ".nv-meta")):
+        # An object-storage dataset is checked the same way once on the node (_check_data).
+        if path and not is_object_url(path) and not os.path.isdir(os.path.join(path, ".nv-meta")):
             raise ConfigError(f"{flag} {path}: not an energon dataset folder (prepare one with "
                               f"tools/prepare_image_text.py)")
     if vision.checkpoint:
@@ -198,6 +199,9 @@ def _check_image_text_data(run: RunConfig, tokenizer) -> None:
         return  # the shapes task, made by the run itself
     for flag, path, split in (("--train-data", data.train_data, "train"),
                               ("--valid-data", data.valid_data or data.train_data, "val")):
+        if is_object_url(path):
+            # Into the node cache now (the download the run needs anyway), then as a folder.
+            path = _node_copy_of_dataset(run, flag, path)
         try:
             ImageTextDataset(path, tokenizer, data.seq_length, split=split,
                              image_token_index=vision.image_token_index,
@@ -206,6 +210,22 @@ def _check_image_text_data(run: RunConfig, tokenizer) -> None:
                              caption_prompt=run.image_text.caption_prompt, max_warnings=0)
         except DataError as err:
             raise ConfigError(f"{flag}: {err}") from None
+
+
+def _node_copy_of_dataset(run: RunConfig, flag: str, url: str) -> str:
+    """The node's copy of an energon dataset under ``url`` (every object under the prefix,
+    through the node cache), checked to be an energon dataset folder."""
+    from megatron_slmoe.storage.errors import StorageError
+    from megatron_slmoe.storage.session import Storage
+
+    try:
+        path = Storage(run.storage).local_dir(url)
+    except StorageError as err:
+        raise ConfigError(f"{flag}: {err}") from None
+    if not os.path.isdir(os.path.join(path, ".nv-meta")):
+        raise ConfigError(f"{flag} {url}: not an energon dataset (no .nv-meta/ under the prefix; "
+                          f"prepare one with tools/prepare_image_text.py and upload the folder)")
+    return path
 
 
 def _check_model_fits_run(run: RunConfig, model_config) -> None:

@@ -118,3 +118,46 @@ def test_run_reads_from_and_writes_to_the_store_then_resumes_from_it(server, tmp
     _stored(server, "runs/lora/checkpoints/iter_0000004/MANIFEST.json")  # complete again
     assert server.secret_access_key not in out
 
+
+
+def test_image_text_dataset_from_the_store(server, tmp_path, monkeypatch, capsys):
+    """An energon image-text dataset under an s3:// prefix: its objects reach the node once for
+    two ranks (the start-up check and the run share the node cache), and the run trains on it;
+    a prefix that holds no energon dataset is one line, exit code 2, before start-up (what the
+    launcher runs before torchrun)."""
+    from megatron_slmoe.data.shapes import ensure_shapes_task
+
+    folder = tmp_path / "shapes"
+    ensure_shapes_task(str(folder))
+    client = server.client()
+    keys = []
+    for path in sorted(p for p in (folder / "vqa").rglob("*") if p.is_file()):
+        keys.append(f"shapes/vqa/{path.relative_to(folder / 'vqa')}")
+        client.put_object(Bucket=BUCKET, Key=keys[-1], Body=path.read_bytes())
+    assert any("/.nv-meta/" in k for k in keys) and any(k.endswith(".tar") for k in keys)
+    common = ["--task", "image-text", "--finetune-mode", "full", "--eval-answers", "0",
+              "--seq-length", "48", "--micro-batch-size", "2", "--global-batch-size", "4",
+              "--train-iters", "2", "--lr-warmup-iters", "1", "--eval-iters", "1",
+              "--eval-interval", "1000", "--fp32", "--no-tensorboard",
+              "--storage-retry-backoff", "0.2", "--cache-dir", str(tmp_path / "nvme")]
+    server.reset_counts()
+    proc = _finetune(server, [*common, "--train-data", f"s3://{BUCKET}/shapes/vqa/",
+                              "--output-dir", str(tmp_path / "run")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for key in keys:
+        assert server.requests("GET", f"/{BUCKET}/{key}") == 1, key
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["task"] == "image-text"
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+
+    from megatron_slmoe.training.finetune import main
+
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert main([*common, "--train-data", f"s3://{BUCKET}/data/", "--output-dir",
+                 str(tmp_path / "bad"), "--validate-only"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --train-data s3://{BUCKET}/data/: not an energon dataset (no .nv-meta/ under "
+        f"the prefix; prepare one with tools/prepare_image_text.py and upload the folder)"]
+    assert not (tmp_path / "bad").exists()

@@ -102,7 +102,8 @@ class ImageTextTask(Task):
         if tokenizer.vocab_size > model_config.vocab_size:
             raise DataError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
                             f"model's vocab_size {model_config.vocab_size}")
-        train_path, valid_path = self._paths(output_dir)
+        # A dataset on object storage: the node's copy (one download per node, node cache).
+        train_path, valid_path = (storage.local_dir(p) for p in self._paths(output_dir))
         common = dict(image_token_index=self.vision.image_token_index,
                       tokens_per_tile=self.vision.num_image_embeddings,
                       preprocess=ImagePreprocessConfig.from_sections(self.vision, self.settings),
