@@ -109,11 +109,16 @@ def tile_grid(width: int, height: int, max_tiles: int) -> Tuple[int, int]:
     return best
 
 
-def _to_tensor(image) -> torch.Tensor:
-    """uint8 RGB image -> float32 [3, H, W] in [0, 1]."""
+def _tiles(image, cols: int, rows: int) -> torch.Tensor:
+    """uint8 [rows * cols, 3, h, w]: the image cut into a rows x cols grid of equal tiles, in
+    reading order (one copy of the pixels, no per-tile images)."""
+    import numpy as np
+
     width, height = image.size
-    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
-    return pixels.view(height, width, 3).permute(2, 0, 1).float().div_(255.0)
+    h, w = height // rows, width // cols
+    pixels = torch.from_numpy(np.array(image, dtype=np.uint8))  # [H, W, 3], writable copy
+    tiles = pixels.view(rows, h, cols, w, 3).permute(0, 2, 4, 1, 3)
+    return tiles.reshape(rows * cols, 3, h, w)
 
 
 def preprocess_image(image, config: ImagePreprocessConfig) -> torch.Tensor:
@@ -122,16 +127,15 @@ def preprocess_image(image, config: ImagePreprocessConfig) -> torch.Tensor:
 
     size = (config.img_w, config.img_h)
     if config.max_tiles == 1:
-        tiles = [image.resize(size, Image.BICUBIC)]
+        pixels = _tiles(image.resize(size, Image.BICUBIC), 1, 1)
     else:
         cols, rows = tile_grid(image.width, image.height, config.max_tiles)
         grid = image.resize((cols * config.img_w, rows * config.img_h), Image.BICUBIC)
-        tiles = [grid.crop((c * config.img_w, r * config.img_h,
-                            (c + 1) * config.img_w, (r + 1) * config.img_h))
-                 for r in range(rows) for c in range(cols)]
+        pixels = _tiles(grid, cols, rows)
         if config.thumbnail:
-            tiles.append(image.resize(size, Image.BICUBIC))
-    pixels = torch.stack([_to_tensor(tile) for tile in tiles])
-    mean = torch.tensor(config.mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(config.std, dtype=torch.float32).view(1, 3, 1, 1)
-    return (pixels - mean) / std
+            pixels = torch.cat([pixels, _tiles(image.resize(size, Image.BICUBIC), 1, 1)])
+    # (x / 255 - mean) / std as one multiply-add in place: x * scale - shift.
+    std = torch.tensor(config.std, dtype=torch.float64)
+    scale = (1.0 / (255.0 * std)).to(torch.float32).view(1, 3, 1, 1)
+    shift = (torch.tensor(config.mean, dtype=torch.float64) / std).to(torch.float32).view(1, 3, 1, 1)
+    return pixels.float().mul_(scale).sub_(shift)

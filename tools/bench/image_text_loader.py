@@ -6,17 +6,20 @@ Two datasets, made in a temporary folder (or ``--data DIR`` for an energon datas
            and the same with tiling (up to 4 tiles + thumbnail)
 
 Rows per dataset (one process, the way the trainer reads: sample i by random access):
-  energon_loader  baseline: energon's own loader (get_val_dataset + get_loader, its default
-                  decoder: images to tensors, no tokenisation, no resize), sequential reads;
-                  chat datasets (energon's CrudeWebdataset) through a task encoder whose one
-                  cooker keeps the json and the decoded image parts
+  energon_loader  energon's own loader (get_val_dataset + get_loader, its default decoder: images
+                  to tensors, no tokenisation, no resize), sequential reads; chat datasets
+                  (energon's CrudeWebdataset) through a task encoder whose one cooker keeps the
+                  json and the decoded image parts
+  energon_same_work  baseline: energon's loader doing the sample's work as an energon user
+                  writes it (PIL images from energon's decoder, tiled and resized with pillow as
+                  ours, scaled and normalised with numpy, text tokenised)
   read            energon's factory + tar index by random access, JSON parsed, images left as bytes
   decode          pillow decode + resize + normalise of the images alone (from read bytes)
   sample          ImageTextDataset[i]: read + decode + chat template + packing
   sample_w2       the same through torch's DataLoader with 2 worker processes
 
-decode_share is decode time over sample time; x_energon is a row's samples/s over the energon
-loader's of the same dataset (above 1: faster). Times are the best of --repeats passes.
+decode_share is decode time over sample time; x_energon and x_same_work are a row's samples/s
+over energon_loader's and energon_same_work's of the same dataset (above 1: faster). Times are the best of --repeats passes.
 
     python tools/bench/image_text_loader.py --json runs/bench/image_text_loader.json
     python tools/bench/image_text_loader.py --data my_energon_dataset --samples 2000
@@ -69,6 +72,82 @@ def _chat_task_encoder():
         cookers = [Cooker(cook=cook_chat)]
 
     return ChatTaskEncoder()
+
+
+def _same_work_task_encoder(preprocess: ImagePreprocessConfig, tokenizer, crude: bool):
+    """Energon's loader doing the sample's work, written as an energon user writes it: images
+    decoded to PIL by energon's decoder, then in ``encode_sample`` tiled and resized with pillow
+    (the same grid, sizes and bicubic filter as ours), scaled and normalised with numpy, and
+    the sample's text tokenised."""
+    from dataclasses import dataclass
+
+    from megatron.energon import (
+        Cooker,
+        DefaultTaskEncoder,
+        Sample,
+        SampleDecoder,
+        basic_sample_keys,
+        stateless,
+    )
+    from PIL import Image
+
+    from megatron_slmoe.data.image import tile_grid
+    from megatron_slmoe.data.image_text import IMAGE_EXTENSIONS
+
+    mean = np.asarray(preprocess.mean, dtype=np.float32)
+    std = np.asarray(preprocess.std, dtype=np.float32)
+    size = (preprocess.img_w, preprocess.img_h)
+
+    def to_array(tile) -> np.ndarray:
+        return ((np.asarray(tile, dtype=np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)
+
+    def pixels(image) -> torch.Tensor:
+        image = image.convert("RGB")
+        if preprocess.max_tiles == 1:
+            tiles = [image.resize(size, Image.BICUBIC)]
+        else:
+            cols, rows = tile_grid(image.width, image.height, preprocess.max_tiles)
+            grid = image.resize((cols * size[0], rows * size[1]), Image.BICUBIC)
+            tiles = [grid.crop((c * size[0], r * size[1], (c + 1) * size[0], (r + 1) * size[1]))
+                     for r in range(rows) for c in range(cols)]
+            if preprocess.thumbnail:
+                tiles.append(image.resize(size, Image.BICUBIC))
+        return torch.from_numpy(np.stack([to_array(t) for t in tiles]))
+
+    @dataclass
+    class Encoded(Sample):
+        pixels: torch.Tensor
+        tokens: list
+
+    @dataclass
+    class ChatSample(Sample):
+        json: dict
+        images: list
+
+    @stateless
+    def cook_chat(crude: dict) -> ChatSample:
+        names = sorted(k for k in crude if k.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS)
+        return ChatSample(**basic_sample_keys(crude), json=crude["json"],
+                          images=[crude[k] for k in names])
+
+    class SameWork(DefaultTaskEncoder):
+        decoder = SampleDecoder(image_decode="pil")
+        cookers = [Cooker(cook=cook_chat)] if crude else []
+
+        def encode_sample(self, sample):
+            if crude:
+                images = sample.images
+                text = " ".join(m["content"] for m in sample.json["messages"])
+            else:  # energon's VQASample
+                images = [sample.image]
+                text = f"{sample.context} {' '.join(sample.answers or [])}"
+            return Encoded.derive_from(sample, pixels=torch.cat([pixels(i) for i in images]),
+                                       tokens=tokenizer.encode(text))
+
+        def batch(self, samples):
+            return samples
+
+    return SameWork()
 
 
 def make_photos(folder: str, count: int, size=(640, 480)) -> str:
@@ -130,14 +209,25 @@ def bench_dataset(name: str, path: str, preprocess: ImagePreprocessConfig, patch
     encoder = {"task_encoder": _chat_task_encoder()} if crude else {}
 
     # Built once, outside the timing (as the sample rows' dataset is): rows time reading only.
-    loader = get_loader(get_val_dataset(
-        path, split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
-        batch_size=1, limit=n, **encoder))
+    def energon(**task_encoder):
+        return get_loader(get_val_dataset(
+            path, split_part="train",
+            worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+            batch_size=1, limit=n, **task_encoder))
 
-    def energon_loader():
-        count = sum(1 for _ in loader)
+    loader = energon(**encoder)
+    same_work = energon(task_encoder=_same_work_task_encoder(preprocess, tokenizer, crude))
+
+    def run(a_loader):
+        count = sum(1 for _ in a_loader)
         if count != n:
             raise RuntimeError(f"energon's loader gave {count} samples, expected {n}")
+
+    def energon_loader():
+        run(loader)
+
+    def energon_same_work():
+        run(same_work)
 
     def read():
         for i in range(n):
@@ -159,6 +249,7 @@ def bench_dataset(name: str, path: str, preprocess: ImagePreprocessConfig, patch
             pass
 
     rates = {"energon_loader": best_rate(energon_loader, n, args.repeats),
+             "energon_same_work": best_rate(energon_same_work, n, args.repeats),
              "read": best_rate(read, n, args.repeats),
              "decode": best_rate(decode, n, args.repeats),
              "sample": best_rate(sample, n, args.repeats)}
@@ -167,19 +258,20 @@ def bench_dataset(name: str, path: str, preprocess: ImagePreprocessConfig, patch
     share = rates["sample"] / rates["decode"]  # decode seconds per sample over sample seconds
     return [{"dataset": name, "row": row, "samples": n, "samples_per_s": rate,
              "ms_per_sample": 1e3 / rate, "x_energon": rate / rates["energon_loader"],
+             "x_same_work": rate / rates["energon_same_work"],
              "decode_share": share if row == "sample" else None,
              "tile": f"{preprocess.img_h}x{preprocess.img_w}",
              "tiles": preprocess.tiles_per_image} for row, rate in rates.items()]
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'dataset':<14} {'row':<15} {'input':>9} {'tiles':>5} {'samples/s':>10} "
-          f"{'ms/sample':>10} {'x_energon':>9} {'decode_share':>12}")
+    print(f"{'dataset':<14} {'row':<17} {'input':>9} {'tiles':>5} {'samples/s':>10} "
+          f"{'ms/sample':>10} {'x_energon':>9} {'x_same_work':>11} {'decode_share':>12}")
     for r in rows:
         share = "" if r["decode_share"] is None else f"{r['decode_share']:.0%}"
-        print(f"{r['dataset']:<14} {r['row']:<15} {r['tile']:>9} {r['tiles']:>5} "
+        print(f"{r['dataset']:<14} {r['row']:<17} {r['tile']:>9} {r['tiles']:>5} "
               f"{r['samples_per_s']:>10.1f} {r['ms_per_sample']:>10.2f} {r['x_energon']:>9.2f} "
-              f"{share:>12}")
+              f"{r['x_same_work']:>11.2f} {share:>12}")
 
 
 def parse_args(argv=None):
