@@ -17,6 +17,10 @@ Rows per dataset (one process, the way the trainer reads: sample i by random acc
   decode          pillow decode + resize + normalise of the images alone (from read bytes)
   sample          ImageTextDataset[i]: read + decode + chat template + packing
   sample_w2       the same through torch's DataLoader with 2 worker processes
+  object_cold     (photos) the dataset under an s3:// prefix of a local S3 server (moto), read as
+                  a run reads it: into an empty node cache, then sample by sample; download
+                  included (--no-object-store skips these two rows)
+  object_warm     the same through the filled node cache
 
 decode_share is decode time over sample time; x_energon and x_same_work are a row's samples/s
 over energon_loader's and energon_same_work's of the same dataset (above 1: faster). Times are the best of --repeats passes.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -264,6 +269,58 @@ def bench_dataset(name: str, path: str, preprocess: ImagePreprocessConfig, patch
              "tiles": preprocess.tiles_per_image} for row, rate in rates.items()]
 
 
+def bench_object_store(name: str, path: str, preprocess: ImagePreprocessConfig, patch: int,
+                       args, energon_rates: dict) -> list[dict]:
+    """Rows ``object_cold`` / ``object_warm``: the dataset folder uploaded under an s3:// prefix
+    of moto's S3 server on 127.0.0.1, read the way a run reads it (``Storage.local_dir``: every
+    object into the node cache, then ``ImageTextDataset`` on the copy), through an empty cache
+    and through the filled one; samples/s over the same samples, download and opening included."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))))  # the repository root: its tests/helpers run the local S3 server
+    from tests.helpers.s3_server import S3TestServer
+
+    from megatron_slmoe.storage.config import StorageConfig
+    from megatron_slmoe.storage.session import Storage
+
+    tokenizer = load_tokenizer(asset_path("tokenizer.json"))
+    tokens_per_tile = (preprocess.img_h // patch) * (preprocess.img_w // patch)
+    rows = []
+    with S3TestServer() as server, tempfile.TemporaryDirectory() as caches:
+        os.environ.update(server.env())
+        client = server.client()
+        client.create_bucket(Bucket="bench-images")
+        for root, _, files in os.walk(path):
+            for file in files:
+                local = os.path.join(root, file)
+                client.upload_file(local, "bench-images",
+                                   f"{name}/{os.path.relpath(local, path)}")
+        url = f"s3://bench-images/{name}/"
+        cache = os.path.join(caches, "cache")
+        for row in ("object_cold", "object_warm"):
+            if row == "object_cold" and os.path.isdir(cache):
+                shutil.rmtree(cache)
+            start = time.perf_counter()
+            storage = Storage(StorageConfig(cache_dir=cache))
+            dataset = ImageTextDataset(storage.local_dir(url), tokenizer,
+                                       args.seq_length + preprocess.tiles_per_image
+                                       * tokens_per_tile, image_token_index=-200,
+                                       tokens_per_tile=tokens_per_tile, preprocess=preprocess,
+                                       shuffle=False)
+            n = min(args.samples, dataset.records)
+            for i in range(n):
+                dataset[i]
+            rate = n / (time.perf_counter() - start)
+            rows.append({"dataset": name, "row": row, "samples": n, "samples_per_s": rate,
+                         "ms_per_sample": 1e3 / rate,
+                         "x_energon": rate / energon_rates["energon_loader"],
+                         "x_same_work": rate / energon_rates["energon_same_work"],
+                         "decode_share": None, "tile": f"{preprocess.img_h}x{preprocess.img_w}",
+                         "tiles": preprocess.tiles_per_image,
+                         "bytes_from_store": server.get_bytes("/bench-images/")})
+            server.reset_counts()
+    return rows
+
+
 def print_rows(rows: list[dict]) -> None:
     print(f"{'dataset':<14} {'row':<17} {'input':>9} {'tiles':>5} {'samples/s':>10} "
           f"{'ms/sample':>10} {'x_energon':>9} {'x_same_work':>11} {'decode_share':>12}")
@@ -283,6 +340,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-length", type=int, default=64, help="text positions per sample")
     p.add_argument("--no-workers", dest="workers", action="store_false",
                    help="skip the DataLoader row with worker processes")
+    p.add_argument("--no-object-store", dest="object_store", action="store_false",
+                   help="skip the object_cold / object_warm rows (a local S3 server)")
     p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = p.parse_args(argv)
     if args.samples < 1 or args.repeats < 1:
@@ -308,6 +367,9 @@ def main(argv=None) -> int:
                             img_h=336, img_w=336, max_tiles=4, thumbnail=True), 14)]
         for name, path, preprocess, patch in datasets:
             rows += bench_dataset(name, path, preprocess, patch, args)
+            if args.object_store and name == "photos":
+                rates = {r["row"]: r["samples_per_s"] for r in rows if r["dataset"] == name}
+                rows += bench_object_store(name, path, preprocess, patch, args, rates)
     print(f"# image-text loader, one process ({os.cpu_count()} CPUs visible), torch "
           f"{torch.__version__}")
     print_rows(rows)

@@ -1,0 +1,30 @@
+"""The image-text loader benchmark runs short and writes the rows it promises, its object-store
+rows reading every stored byte once through the cold cache and none through the warm one (its
+figures are not asserted: timings do not belong in tests)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_image_text_loader_benchmark_writes_every_row(tmp_path):
+    out = tmp_path / "loader.json"
+    proc = subprocess.run(
+        [sys.executable, "tools/bench/image_text_loader.py", "--samples", "8", "--repeats", "1",
+         "--no-workers", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    by_row = {(r["dataset"], r["row"]): r for r in rows}
+    for dataset in ("shapes", "photos", "photos-tiled"):
+        for row in ("energon_loader", "energon_same_work", "read", "decode", "sample"):
+            assert by_row[dataset, row]["samples"] == 8 and by_row[dataset, row]["samples_per_s"] > 0
+        assert by_row[dataset, "energon_same_work"]["x_same_work"] == 1.0
+    cold, warm = by_row["photos", "object_cold"], by_row["photos", "object_warm"]
+    assert cold["bytes_from_store"] > 8 * 10_000  # the JPEGs and the shard index came over
+    assert warm["bytes_from_store"] == 0
