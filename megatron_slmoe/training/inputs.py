@@ -20,14 +20,12 @@ adapters and data files are not inspected here (that would mean downloading them
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 from typing import Optional
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.training.config import RunConfig, RunFinished
-from megatron_slmoe.model.model_file import load_model_config
 from megatron_slmoe.storage.urls import is_object_url
 
 log = logging.getLogger(__name__)

@@ -53,12 +53,12 @@ from megatron_slmoe.data.tokenizer import load_tokenizer
 from megatron_slmoe.utils.atomic import write_json_atomic
 
 
-def _chat_task_encoder():
-    """Energon's DefaultTaskEncoder with a cooker for crude chat samples (energon refuses a crude
-    dataset without one): the json part and the images, decoded by energon's default decoder."""
+def _chat_cooker():
+    """Energon's cooker for crude chat samples (energon refuses a crude dataset without one):
+    the json part and the images, as its decoder gives them."""
     from dataclasses import dataclass
 
-    from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, stateless
+    from megatron.energon import Cooker, Sample, basic_sample_keys, stateless
 
     from megatron_slmoe.data.image_text import IMAGE_EXTENSIONS
 
@@ -73,8 +73,16 @@ def _chat_task_encoder():
         return ChatSample(**basic_sample_keys(crude), json=crude["json"],
                           images=[crude[k] for k in names])
 
+    return Cooker(cook=cook_chat)
+
+
+def _chat_task_encoder():
+    """Energon's DefaultTaskEncoder with the chat cooker, images decoded by its default
+    decoder."""
+    from megatron.energon import DefaultTaskEncoder
+
     class ChatTaskEncoder(DefaultTaskEncoder):
-        cookers = [Cooker(cook=cook_chat)]
+        cookers = [_chat_cooker()]
 
     return ChatTaskEncoder()
 
@@ -86,18 +94,10 @@ def _same_work_task_encoder(preprocess: ImagePreprocessConfig, tokenizer, crude:
     the sample's text tokenised."""
     from dataclasses import dataclass
 
-    from megatron.energon import (
-        Cooker,
-        DefaultTaskEncoder,
-        Sample,
-        SampleDecoder,
-        basic_sample_keys,
-        stateless,
-    )
+    from megatron.energon import DefaultTaskEncoder, Sample, SampleDecoder
     from PIL import Image
 
     from megatron_slmoe.data.image import tile_grid
-    from megatron_slmoe.data.image_text import IMAGE_EXTENSIONS
 
     mean = np.asarray(preprocess.mean, dtype=np.float32)
     std = np.asarray(preprocess.std, dtype=np.float32)
@@ -124,20 +124,9 @@ def _same_work_task_encoder(preprocess: ImagePreprocessConfig, tokenizer, crude:
         pixels: torch.Tensor
         tokens: list
 
-    @dataclass
-    class ChatSample(Sample):
-        json: dict
-        images: list
-
-    @stateless
-    def cook_chat(crude: dict) -> ChatSample:
-        names = sorted(k for k in crude if k.rsplit(".", 1)[-1] in IMAGE_EXTENSIONS)
-        return ChatSample(**basic_sample_keys(crude), json=crude["json"],
-                          images=[crude[k] for k in names])
-
     class SameWork(DefaultTaskEncoder):
         decoder = SampleDecoder(image_decode="pil")
-        cookers = [Cooker(cook=cook_chat)] if crude else []
+        cookers = [_chat_cooker()] if crude else []
 
         def encode_sample(self, sample):
             if crude:

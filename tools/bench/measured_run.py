@@ -23,6 +23,19 @@ import sys
 import time
 
 
+def read_ranks(out: str, proc, name: str) -> list[dict]:
+    """The per-rank records a finished run of this script wrote into ``out`` (``proc``: its
+    ``subprocess.run`` result); RuntimeError naming run ``name`` when it failed."""
+    files = sorted(f for f in os.listdir(out) if f.startswith("rank"))
+    if proc.returncode != 0 or len(files) != 2:
+        raise RuntimeError(f"run {name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    ranks = []
+    for file in files:
+        with open(os.path.join(out, file)) as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
 def _storage_bytes(tensors) -> int:
     seen = {}
     for t in tensors:

@@ -16,11 +16,12 @@ Megatron's globals). Prints a table, writes JSON; the goal is within 10% on ever
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
+
+from measured_run import read_ranks  # a sibling: tools/bench is the script's folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -89,14 +90,7 @@ def _measure(name: str, flags: list[str], work: str, base: str) -> list[dict]:
                str(ITERS), "--", *COMMON, "--train-iters", str(ITERS + 10),
                "--base-checkpoint", base, "--output-dir", os.path.join(out, "run"), *flags]
     proc = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT)
-    files = sorted(f for f in os.listdir(out) if f.startswith("rank"))
-    if proc.returncode != 0 or len(files) != 2:
-        raise RuntimeError(f"run {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    ranks = []
-    for file in files:
-        with open(os.path.join(out, file)) as f:
-            ranks.append(json.load(f))
-    return ranks
+    return read_ranks(out, proc, name)
 
 
 def main(argv: list[str] | None = None) -> int:

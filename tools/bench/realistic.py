@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 
+from measured_run import read_ranks  # a sibling: tools/bench is the script's folder
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -146,14 +148,7 @@ def run_engine(name: str, flags: list[str], work: str, steps: int, profile: bool
                *(["--profile"] if profile else []), "--", *flags, "--output-dir",
                os.path.join(out, "run")]
     proc = subprocess.run(command, capture_output=True, text=True, env=_env(1), cwd=ROOT)
-    files = sorted(f for f in os.listdir(out) if f.startswith("rank"))
-    if proc.returncode != 0 or len(files) != 2:
-        raise RuntimeError(f"run {name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    ranks = []
-    for file in files:
-        with open(os.path.join(out, file)) as f:
-            ranks.append(json.load(f))
-    return ranks
+    return read_ranks(out, proc, name)
 
 
 # --- transformers + PEFT ---------------------------------------------------------------------------
