@@ -60,7 +60,9 @@ def parse_args(argv=None):
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--latent", type=int, default=64)
+    parser.add_argument("--latent", type=int, default=64,
+                        help="latent width of the experts; 0: none (experts at the hidden width, "
+                             "as Qwen3-MoE and DeepSeek-V3 have)")
     parser.add_argument("--expert-ffn", type=int, default=128)
     parser.add_argument("--shared-ffn", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
@@ -79,7 +81,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
-    for name in ("experts", "topk", "hidden", "latent", "expert_ffn", "layers", "heads", "vocab",
+    if args.latent < 0:
+        parser.error("--latent must be 0 (none) or positive")
+    for name in ("experts", "topk", "hidden", "expert_ffn", "layers", "heads", "vocab",
                  "seq_length", "micro_batch_size", "lora_rank", "reps", "threads"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -129,7 +133,7 @@ def transformer_config(args, world: int, latent_in_config: bool = True):
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=4 * args.hidden, num_moe_experts=args.experts,
         moe_router_topk=args.topk, moe_ffn_hidden_size=args.expert_ffn,
-        moe_latent_size=args.latent if latent_in_config else None,
+        moe_latent_size=(args.latent or None) if latent_in_config else None,
         moe_shared_expert_intermediate_size=args.shared_ffn or None,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,

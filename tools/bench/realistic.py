@@ -220,31 +220,78 @@ def run_peft(checkpoint: str, rows: list[dict], work: str, steps: int) -> dict:
 
 def kernel_rows(shape: dict, reps: int) -> list[dict]:
     """The fused op and a base GEMM per expert + separate LoRA, against one dense GEMM of the same
-    base work (forward: x W^T; forward+backward: dx too, W is frozen)."""
+    base work (forward: x W^T; forward+backward: dx too, W is frozen).
+
+    Each variant is first checked against the fp64 reference (``lora_expert.bench_config``). The
+    times are then taken interleaved: every repetition runs the dense GEMM and each variant back to
+    back, so that a change in the machine's speed during the run hits all of them alike, and
+    ``of_dense`` is the median over repetitions of dense time / variant time."""
     import torch
 
     sys.path.insert(0, HERE)
     import lora_expert  # noqa: E402  (the kernel benchmark's variants)
 
-    args = argparse.Namespace(dtype="float32", variants=["fused", "separate"], warmup=1, reps=reps)
+    names = ["fused", "separate"]
+    check = argparse.Namespace(dtype="float32", variants=names, warmup=0, reps=1)
     rows = []
     for d_in, d_out in shape["kernel_shapes"]:
         for per_expert in shape["kernel_rows"]:
             experts = shape["kernel_experts"]
-            measured = lora_expert.bench_config(experts, per_expert, 16, d_in, d_out, args)
-            tokens = experts * per_expert
-            x = torch.randn(tokens, d_in)
-            w = torch.randn(d_out, d_in) / d_in ** 0.5
-            grad = torch.randn(tokens, d_out)
-            fwd = lora_expert.median_ms(lambda: x @ w.t(), 1, reps)
-            fwd_bwd = lora_expert.median_ms(lambda: (x @ w.t(), grad @ w), 1, reps)
-            for row in measured:
-                row.update(system="kernel", dense_fwd_ms=fwd, dense_fwd_bwd_ms=fwd_bwd,
-                           of_dense_fwd=fwd / row["fwd_ms"] if row["fwd_ms"] else None,
-                           of_dense_fwd_bwd=(fwd_bwd / row["fwd_bwd_ms"]
-                                             if row["fwd_bwd_ms"] else None))
+            checked = lora_expert.bench_config(experts, per_expert, 16, d_in, d_out, check)
+            inp = lora_expert.make_inputs(experts, per_expert, 16, d_in, d_out, torch.float32)
+            x, grad, w = inp["x_TD"], inp["grad_y_TO"], inp["weight_EOD"][0]
+            x_grad = x.detach().requires_grad_()
+            timed = {"dense": (lambda: x @ w.t(), lambda: (x @ w.t(), grad @ w))}
+            for row in checked:
+                if row["status"] == "ok":
+                    variant = lora_expert.VARIANT_CLASSES[row["variant"]](
+                        inp["weight_EOD"], inp["lora_a_ERD"], inp["lora_b_EOR"],
+                        inp["tokens_per_expert_E"])
+                    timed[row["variant"]] = (
+                        lambda v=variant: v.forward(x_grad),
+                        lambda v=variant: lora_expert.step(v, x, grad))
+            times = {(name, kind): [] for name in timed for kind in (0, 1)}
+            for rep in range(reps + 1):  # the first round warms up
+                for name, fns in timed.items():
+                    for kind, fn in enumerate(fns):
+                        start = time.perf_counter()
+                        fn()
+                        if rep:
+                            times[name, kind].append(time.perf_counter() - start)
+            for row in checked:
+                row["system"] = "kernel"
+                row["dense_fwd_ms"] = statistics.median(times["dense", 0]) * 1e3
+                row["dense_fwd_bwd_ms"] = statistics.median(times["dense", 1]) * 1e3
+                for kind, key in enumerate(("fwd", "fwd_bwd")):
+                    mine = times.get((row["variant"], kind))
+                    row[f"{key}_ms"] = statistics.median(mine) * 1e3 if mine else None
+                    row[f"of_dense_{key}"] = (statistics.median(
+                        d / m for d, m in zip(times["dense", kind], mine)) if mine else None)
                 rows.append(row)
     return rows
+
+
+# --- the layer against Megatron-Core's -----------------------------------------------------------
+
+
+def layer_rows(model_shape, seq: int, work: str, quick: bool) -> list[dict]:
+    """This engine's MoE layer against Megatron-Core's MoELayer with LoRA on every expert, at the
+    checkpoint's layer shape (``lora_step.py``): one-layer GPT models, EP=2 over two processes of
+    one thread, the same weights and data, losses checked equal before timing. The vocabulary is
+    4096 so that the output layer does not hide the MoE layer; attention has hidden/head_dim heads
+    (lora_step's attention has no separate query width), the same in every variant."""
+    out = os.path.join(work, "layer.json")
+    s = model_shape
+    cmd = [sys.executable, os.path.join(HERE, "lora_step.py"), "--ranks", "2",
+           "--experts", str(s.experts), "--topk", str(s.topk), "--hidden", str(s.hidden),
+           "--latent", str(s.latent or 0), "--expert-ffn", str(s.expert_ffn),
+           "--shared-ffn", str(s.shared_ffn), "--layers", "1",
+           "--heads", str(s.hidden // s.kv_channels), "--vocab", "4096", "--seq-length", str(seq),
+           "--micro-batch-size", "1", "--lora-rank", "16", "--reps", "1" if quick else "3",
+           "--profile-steps", "0" if quick else "1", "--json", out]
+    subprocess.run(cmd, check=True, env=_env(1))
+    with open(out) as f:
+        return [{**row, "system": "layer", "lever": row["variant"]} for row in json.load(f)]
 
 
 # --- the plan -----------------------------------------------------------------------------------
@@ -274,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-length", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--levers", nargs="+", choices=sorted(LEVERS), default=None)
-    parser.add_argument("--parts", nargs="+", default=["engine", "peft", "kernel"],
-                        choices=["engine", "peft", "kernel"])
+    parser.add_argument("--parts", nargs="+", default=["engine", "peft", "layer", "kernel"],
+                        choices=["engine", "peft", "layer", "kernel"])
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a config field of the checkpoint (e.g. vocab_size=4096: the layers "
                              "without the output layer's weight)")
@@ -367,8 +414,10 @@ def main(argv: list[str] | None = None) -> int:
                      "params_trainable": result["params_trainable"],
                      "rss_peak_bytes": result["rss_peak_bytes"],
                      "losses": [s["loss"] for s in result["steps"]]})
+    if "layer" in args.parts:
+        rows += layer_rows(model_shape, seq, work, args.quick)
     if "kernel" in args.parts:
-        rows += kernel_rows(shape, reps=2 if args.quick else 5)
+        rows += kernel_rows(shape, reps=2 if args.quick else 7)
     ratios = _ratios(rows)
     header["load_average_at_end"] = os.getloadavg()
     _print(header, rows, ratios)
@@ -391,14 +440,21 @@ def _shares(stage_us) -> dict | None:
 
 
 def _ratios(rows: list[dict]) -> dict:
-    """slmoe's first lever over PEFT: tokens/s, and memory per token (per-rank peak x ranks)."""
+    """slmoe's first lever over PEFT: tokens/s, and memory per token (per-rank peak x ranks); the
+    layer over Megatron-Core's MoELayer with per-expert LoRA: tokens/s."""
+    layer = {r["lever"]: r for r in rows if r["system"] == "layer"}
+    ratios = {}
+    if "slmoe" in layer and "megatron_lora" in layer:
+        ratios["tokens_per_s_layer_slmoe_over_megatron_lora"] = (
+            layer["slmoe"]["tokens_per_s"] / layer["megatron_lora"]["tokens_per_s"])
     ours = next((r for r in rows if r["system"] == "slmoe" and r.get("tokens_per_s")), None)
     peft = next((r for r in rows if r["system"] == "peft"), None)
     if not ours or not peft:
-        return {}
+        return ratios
     ranks = [r for r in rows if r["system"] == "slmoe" and r["lever"] == ours["lever"]]
     ours_bytes = sum(r["measured_peak_bytes"] for r in ranks)
-    return {"tokens_per_s_slmoe_over_peft": ours["tokens_per_s"] / peft["tokens_per_s"],
+    return {**ratios,
+            "tokens_per_s_slmoe_over_peft": ours["tokens_per_s"] / peft["tokens_per_s"],
             "peak_bytes_slmoe_all_ranks_over_peft": ours_bytes / peft["measured_peak_bytes"],
             "slmoe_lever": ours["lever"]}
 
@@ -413,7 +469,7 @@ def _print(header: dict, rows: list[dict], ratios: dict) -> None:
     print(f"{'system':<7}{'lever':<24}{'rank':>5}{'predicted GiB':>15}{'measured GiB':>14}"
           f"{'error':>8}{'tokens/s':>10}{'MFU':>7}")
     for r in rows:
-        if r["system"] == "kernel":
+        if r["system"] in ("kernel", "layer"):
             continue
         pred = r.get("predicted_peak_bytes")
         meas = r.get("measured_peak_bytes")
@@ -423,6 +479,17 @@ def _print(header: dict, rows: list[dict], ratios: dict) -> None:
               f"{r.get('relative_error', float('nan')):>+8.1%}"
               f"{r.get('tokens_per_s') or float('nan'):>10.1f}"
               f"{r.get('mfu') or float('nan'):>7.1%}")
+    layer = [r for r in rows if r["system"] == "layer"]
+    if layer:
+        print(f"{'layer (1 MoE layer, EP=2)':<26}{'tokens/s':>10}{'experts ms':>12}"
+              f"{'dispatch ms':>13}{'combine ms':>12}{'slmoe x':>9}")
+        for r in layer:
+            st = r.get("stages_ms") or {}
+            print(f"{r['lever']:<26}{r['tokens_per_s'] or float('nan'):>10.1f}"
+                  f"{st.get('experts', float('nan')):>12.0f}"
+                  f"{st.get('dispatch', float('nan')):>13.0f}"
+                  f"{st.get('combine', float('nan')):>12.0f}"
+                  f"{r.get('slmoe_speedup') or float('nan'):>9.2f}")
     kernel = [r for r in rows if r["system"] == "kernel"]
     if kernel:
         print(f"{'kernel':<10}{'shape':>10}{'rows/e':>8}{'fwd ms':>9}{'of dense':>9}"
