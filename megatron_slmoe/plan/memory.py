@@ -453,12 +453,15 @@ def _stage_activations(shape: ModelShape, s: RunSettings, stage: int) -> dict:
         for i in _stage_layers(shape, s, stage)
     ]
     last = stage == s.pp - 1
-    dense = sum(layer.dense for layer in layers) + (_loss(shape, s, t) if last else 0)
+    loss = _loss(shape, s, t) if last else 0
+    dense = sum(layer.dense for layer in layers) + loss
     rows = sum(layer.rows for layer in layers)
     in_flight = min(s.pp - stage, s.num_microbatches)
     # The worst moment on top of the held activations: the loss of the last micro-batch (its
     # 16-bit logits beside the fp32 copy), one layer's backward, or the vision tower's forward.
-    events = {"backward": max(layer.backward_extra for layer in layers)}
+    # A decoder layer's backward starts after the output layer's, which freed the logits: the
+    # loss's bytes are not held beside it (measured: tools/bench/realistic.py, README).
+    events = {"backward": max(0, max(layer.backward_extra for layer in layers) - loss)}
     if stage == 0 and s.vision is not None:
         kept, working = vision_activations(s.vision, shape.hidden, s.lora_targets, s.lora_rank,
                                            s.tp, s.micro_batch_size, s.element_size)
