@@ -26,6 +26,17 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=False, router_aux_loss_coef=0.001)),
+    # DeepSeek-V3's layer (config.json of deepseek-ai/DeepSeek-V3: MLA, 256 experts of 2048 with
+    # a shared one, top-8 of 4 groups out of 8, sigmoid scores with a bias), written in the
+    # --dtype given rather than as block-scaled FP8 (the import reads FP8 blocks too).
+    "deepseek-v3": ("deepseek_v3", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, max_position_embeddings=163840, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
 }
 """Name -> (transformers model_type, config fields)."""
 

@@ -5,7 +5,8 @@ LoRA expert op against the dense-GEMM limit, in one run.
 
 The checkpoint has the real layer (hidden 2048, 128 experts of 768, top-8, GQA 32/4 with head 128,
 vocabulary 151,936) and fewer layers (``--layers``, default 2: 1.9 B parameters), random weights
-(``slmoe-make-hf-checkpoint``). Every system trains the same packed rows of the shipped digits
+(``slmoe-make-hf-checkpoint``). ``--preset deepseek-v3``: DeepSeek-V3's layer (MLA, experts
+7168x2048, a shared expert, grouped top-8) scaled to fit (``DEEPSEEK_V3``). Every system trains the same packed rows of the shipped digits
 task (the checkpoint's ChatML tokenizer), LoRA rank 16 on attention and the routed experts, Adam,
 fp32, ``--seq-length`` 1024, global batch 2.
 
@@ -25,9 +26,13 @@ fp32, ``--seq-length`` 1024, global batch 2.
 - ``kernel`` rows: the fused LoRA expert op at 2048x768 and 768x2048 with 16-512 rows per expert
   (64 local experts, rank 16), forward and forward+backward, against one dense GEMM of the same
   base FLOPs (the limit on this CPU) and against a base GEMM per expert plus separate LoRA.
+- ``layer`` rows: this engine's MoE layer against Megatron-Core's MoELayer with per-expert LoRA
+  (``lora_step.py``) at the checkpoint's layer shape.
 
     python tools/bench/realistic.py --json runs/bench/realistic.json      # about an hour
     python tools/bench/realistic.py --quick --json /tmp/realistic.json    # scaled down: CI
+    python tools/bench/realistic.py --preset deepseek-v3 --levers ep2 \
+        --json runs/bench/realistic_deepseek_v3.json
 
 Give the load average beside the figures: the runs use both cores.
 """
@@ -56,6 +61,18 @@ QUICK = dict(preset="qwen3-30b-a3b", layers=2, seq=128, steps=4,
                         "vocab_size=4096", "num_attention_heads=4", "num_key_value_heads=2",
                         "head_dim=64", "intermediate_size=512"],
              kernel_rows=(16, 64), kernel_shapes=((256, 64), (64, 256)), kernel_experts=8)
+DEEPSEEK_V3 = dict(
+    preset="deepseek-v3", layers=1, seq=1024, steps=4,
+    # The real layer (MLA, experts 7168x2048, shared expert, top-8 of 4 groups out of 8) with 32
+    # routed experts instead of 256 and a 32,768-entry vocabulary instead of 129,280: the 7168-wide
+    # embedding and output layer are replicated on every rank and would not fit twice in 24 GiB.
+    overrides=["n_routed_experts=32", "first_k_dense_replace=0", "vocab_size=32768"],
+    kernel_rows=(16, 128, 512), kernel_shapes=((7168, 2048), (2048, 7168)), kernel_experts=16)
+PRESET_SHAPES = {"qwen3-30b-a3b": REAL, "deepseek-v3": DEEPSEEK_V3}
+PEFT_TARGETS = {  # preset -> PEFT's target_modules on the attention (the experts: fused 3D)
+    "qwen3-30b-a3b": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "deepseek-v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
 LORA = ["--lora-rank", "16", "--lora-alpha", "32", "--lora-target-modules", "linear_qkv",
         "linear_proj", "linear_fc1", "linear_fc2"]
 GLOBAL_BATCH = 2
@@ -89,7 +106,7 @@ def _env(threads: int) -> dict:
 
 
 def make_checkpoint(work: str, shape: dict) -> str:
-    path = os.path.join(work, "checkpoint")
+    path = os.path.join(work, f"checkpoint-{shape['preset']}")
     if os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
         return path
     command = [sys.executable, os.path.join(ROOT, "tools", "make_hf_checkpoint.py"), "--preset",
@@ -154,7 +171,7 @@ def run_engine(name: str, flags: list[str], work: str, steps: int, profile: bool
 # --- transformers + PEFT ---------------------------------------------------------------------------
 
 
-def peft_worker(checkpoint: str, rows_path: str, steps: int, out_path: str) -> None:
+def peft_worker(checkpoint: str, rows_path: str, steps: int, out_path: str, preset: str) -> None:
     """One process: the HF model with PEFT LoRA on the same modules, AdamW, the same rows."""
     from megatron_slmoe.plan.live_bytes import LiveTensorBytes
 
@@ -169,8 +186,7 @@ def peft_worker(checkpoint: str, rows_path: str, steps: int, out_path: str) -> N
     rows = torch.load(rows_path, weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj",
-                                                               "o_proj"],
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=PEFT_TARGETS[preset],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -200,14 +216,14 @@ def peft_worker(checkpoint: str, rows_path: str, steps: int, out_path: str) -> N
         json.dump(record, f)
 
 
-def run_peft(checkpoint: str, rows: list[dict], work: str, steps: int) -> dict:
+def run_peft(checkpoint: str, rows: list[dict], work: str, steps: int, preset: str) -> dict:
     import torch
 
     rows_path = os.path.join(work, "rows.pt")
     torch.save(rows, rows_path)
     out = os.path.join(work, "peft.json")
     command = [sys.executable, os.path.abspath(__file__), "--peft-worker", checkpoint,
-               rows_path, str(steps), out]
+               rows_path, str(steps), out, preset]
     proc = subprocess.run(command, capture_output=True, text=True, env=_env(2), cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"PEFT run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -317,6 +333,8 @@ def planned(shape_cfg, seq: int, fields: dict, overhead: int, full: bool = False
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="scaled-down shapes (CI)")
+    parser.add_argument("--preset", choices=sorted(PRESET_SHAPES), default="qwen3-30b-a3b",
+                        help="the layer shape (--quick: qwen3-30b-a3b scaled down)")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--seq-length", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
@@ -329,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="reused: its checkpoint stays")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    shape = dict(QUICK if args.quick else REAL)
+    shape = dict(QUICK if args.quick else PRESET_SHAPES[args.preset])
     shape["layers"] = args.layers or shape["layers"]
     shape["overrides"] = [*shape["overrides"], *args.set]
     seq, steps = args.seq_length or shape["seq"], args.steps or shape["steps"]
@@ -402,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                          "params_trainable": estimate.stages[0].trainable_params})
     if "peft" in args.parts:
         rows_data = packed_rows(checkpoint, data, seq, GLOBAL_BATCH * steps)
-        result = run_peft(checkpoint, rows_data, work, steps)
+        result = run_peft(checkpoint, rows_data, work, steps, shape["preset"])
         timed = [s["seconds"] for s in result["steps"][1:]]
         tokens_per_s = GLOBAL_BATCH * seq / statistics.mean(timed)
         rows.append({"system": "peft", "lever": "lora (one process, 2 threads)",
@@ -505,6 +523,6 @@ def _print(header: dict, rows: list[dict], ratios: dict) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--peft-worker":
-        peft_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        peft_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])
     else:
         sys.exit(main())
