@@ -1,5 +1,6 @@
 """Kimi-K2.5 as an image-text model: transformers' MoonViT tower and projector in front of our
-Megatron-Core DeepSeek-V3 language model (``model.tower_language.TowerLanguageModel``).
+Megatron-Core DeepSeek-V3 language model (``model.tower_language.TowerLanguageModel``, built by
+``hf.tower_model``).
 
 Why the tower is transformers' module and not a Megatron-Core build: MoonViT takes images at
 their own resolution (a variable number of 14x14 patches per image, attention within each image
@@ -22,14 +23,9 @@ from __future__ import annotations
 
 import copy
 import re
-from functools import partial
-from typing import Callable, Optional
-
 import torch
 
 from megatron_slmoe.hf.vision_sources import VisionSource
-from megatron_slmoe.model.build import build_gpt_model
-from megatron_slmoe.model.tower_language import TowerLanguageModel
 
 
 # transformers' name in a MoonViT block -> the published checkpoints' (q/k/v: ``wqkv``).
@@ -97,27 +93,3 @@ class KimiK25Vision(torch.nn.Module):
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         pooled = self.vision_tower(pixel_values, grid_thw=image_grid_thw).pooler_output
         return self.mm_projector(pooled.to(self.mm_projector.in_proj.weight.dtype)).squeeze(1)
-
-
-def build_kimi_k25(model_config, transformer_config, pre_process: bool = True,
-                   post_process: bool = True, *, hf_config) -> TowerLanguageModel:
-    """This rank's pipeline stage of Kimi-K2.5: the language model from ``model_config`` (the
-    family's reading of ``text_config``) under the run's ``transformer_config``, the vision
-    module from ``hf_config`` (transformers' ``Kimi_K25Config``) on the first stage."""
-    language = build_gpt_model(model_config, transformer_config, pre_process=pre_process,
-                               post_process=post_process,
-                               scatter_embedding_sequence_parallel=False)
-    vision = KimiK25Vision(hf_config) if pre_process else None
-    if vision is not None:
-        vision.to(transformer_config.params_dtype)
-    return TowerLanguageModel(language, vision, image_token_id=hf_config.image_token_id)
-
-
-def hf_model_builder(hf) -> Optional[Callable]:
-    """How a run builds the model of an opened checkpoint (``hf.HFModel``): the image-text
-    model's builder for a family that has a vision side (a text task then trains its language
-    model with the tower present and unused, so adapters keep the checkpoint's names), None for
-    a language model (the task builds it)."""
-    if hf is None or not hf.family.multimodal:
-        return None
-    return partial(build_kimi_k25, hf_config=hf.family.hf_config(hf.checkpoint.config_path))

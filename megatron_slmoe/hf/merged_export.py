@@ -93,8 +93,8 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
         for name, t in vision.state_dict(keep_vars=True).items()}
     for key, shape in hf_weights(hf):
         if key in vision_shapes:
-            planned.append(_vision_tensor(vision, key, checkpoint, reader, loras, source,
-                                          scaling))
+            planned.append(_vision_tensor(vision, key, vision_shapes[key], checkpoint, reader,
+                                          loras, source, scaling))
             continue
         found = hf.family.layouts.resolve(key, shapes)
         if found is None or found.shape != shape:
@@ -137,10 +137,9 @@ def _merged(weight: torch.Tensor, lora: Optional[HFLoRA], source, scaling: float
     return weight.float() + scaling * (rows @ a)
 
 
-def _vision_tensor(vision, key: str, checkpoint, reader, loras: dict, source,
+def _vision_tensor(vision, key: str, shape: tuple, checkpoint, reader, loras: dict, source,
                    scaling: float) -> PlannedTensor:
     name = key[len(vision.hf_prefix):]
-    shape = tuple(vision.state_dict(keep_vars=True)[name].shape)
     found = find_source(vision, name, shape, checkpoint)
     dtype = _TORCH_DTYPES[checkpoint.tensors[found.key].dtype]
     lora = loras.pop(key, None)

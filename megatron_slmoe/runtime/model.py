@@ -91,7 +91,7 @@ def model_builder(default, hf=None):
     """The builder of the run's model: an HF checkpoint's image-text model where it has a vision
     side (Kimi-K2.5), else ``default`` (the task's, or the language model's)."""
     if hf is not None:
-        from megatron_slmoe.hf.kimi_k25 import hf_model_builder
+        from megatron_slmoe.hf.tower_model import hf_model_builder
 
         build = hf_model_builder(hf)
         if build is not None:

@@ -97,12 +97,11 @@ def test_kimi_k25_language_model_fine_tunes_on_text(kimi_checkpoint):
 def _run_and_logits(args: list[str], adapter: str, hf_dir: str, inputs: dict):
     """The whole run (the entry point's engine), then this rank's logits on an image+text batch
     of the model the run trained: the checkpoint with the run's adapter, built afresh."""
-    from functools import partial
 
     import megatron_slmoe
     from megatron_slmoe.hf.convert import build_model_in_layout
-    from megatron_slmoe.hf.kimi_k25 import build_kimi_k25
     from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+    from megatron_slmoe.hf.tower_model import hf_model_builder
     from megatron_slmoe.lora.adapter import load_adapter, read_adapter_config
     from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.training.engine import Engine
@@ -110,8 +109,7 @@ def _run_and_logits(args: list[str], adapter: str, hf_dir: str, inputs: dict):
 
     assert Engine(parse(args).run, megatron_slmoe.PLATFORM).run() == 0
     hf = open_hf_checkpoint(hf_dir)
-    model, _ = build_model_in_layout(hf.model_config, build=partial(
-        build_kimi_k25, hf_config=hf.family.hf_config(hf.checkpoint.config_path)))
+    model, _ = build_model_in_layout(hf.model_config, build=hf_model_builder(hf))
     load_hf_weights([model], hf_dir, hf)
     lora_config, _ = read_adapter_config(adapter)
     inject_lora([model], lora_config)

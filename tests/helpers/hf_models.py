@@ -367,16 +367,12 @@ def kimi_hf_logits(model, inputs: dict) -> torch.Tensor:
 def kimi_import_and_run(hf_dir: str, inputs: dict):
     """This rank's Kimi-K2.5 built from ``hf_dir`` in the current layout, loaded rank-locally;
     its logits on ``inputs`` (None on non-last pipeline stages) and the load report."""
-    from functools import partial
-
     from megatron_slmoe.hf.convert import build_model_in_layout
-    from megatron_slmoe.hf.kimi_k25 import build_kimi_k25
     from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+    from megatron_slmoe.hf.tower_model import hf_model_builder
 
     hf = open_hf_checkpoint(hf_dir, check_shapes=True)
-    hf_config = hf.family.hf_config(hf.checkpoint.config_path)
-    model, _ = build_model_in_layout(hf.model_config,
-                                     build=partial(build_kimi_k25, hf_config=hf_config))
+    model, _ = build_model_in_layout(hf.model_config, build=hf_model_builder(hf))
     report = load_hf_weights([model], hf_dir, hf)
     extra = {k: inputs[k] for k in ("pixel_values", "image_grid_thw")}
     return megatron_logits(model, inputs["input_ids"], **extra), report

@@ -147,7 +147,6 @@ def test_config_without_text_config_is_one_line(kimi, tmp_path):
 
 
 def test_peft_adapter_on_kimi_gives_our_image_text_logits(kimi, tmp_path):
-    from functools import partial
 
     from peft import PeftModel
     from safetensors import safe_open
@@ -155,8 +154,8 @@ def test_peft_adapter_on_kimi_gives_our_image_text_logits(kimi, tmp_path):
 
     from megatron_slmoe.commands.convert_hf import main as convert_hf
     from megatron_slmoe.hf.convert import build_model_in_layout
-    from megatron_slmoe.hf.kimi_k25 import build_kimi_k25
     from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+    from megatron_slmoe.hf.tower_model import hf_model_builder
     from megatron_slmoe.lora.adapter import save_adapter
     from megatron_slmoe.lora.config import LoRAConfig
     from megatron_slmoe.lora.inject import inject_lora
@@ -164,8 +163,7 @@ def test_peft_adapter_on_kimi_gives_our_image_text_logits(kimi, tmp_path):
     base, directory = kimi
     hf_dir = str(directory / "fused")
     hf = open_hf_checkpoint(hf_dir)
-    model, _ = build_model_in_layout(hf.model_config, build=partial(
-        build_kimi_k25, hf_config=hf.family.hf_config(hf.checkpoint.config_path)))
+    model, _ = build_model_in_layout(hf.model_config, build=hf_model_builder(hf))
     load_hf_weights([model], hf_dir, hf)
     lora_config = LoRAConfig(rank=4, alpha=8.0, targets=[
         "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "shared_experts", "router",

@@ -1,0 +1,39 @@
+"""The model of a multimodal Hugging Face checkpoint: Megatron-Core's GPTModel for its language
+model, with the family's vision module (``Family.vision_module``) in front on the first pipeline
+stage (``model.tower_language.TowerLanguageModel``)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+from megatron_slmoe.model.build import build_gpt_model
+from megatron_slmoe.model.tower_language import TowerLanguageModel
+
+
+def build_tower_language_model(model_config, transformer_config, pre_process: bool = True,
+                               post_process: bool = True, *, family,
+                               hf_config) -> TowerLanguageModel:
+    """This rank's pipeline stage: the language model from ``model_config`` (the family's reading
+    of the text config) under the run's ``transformer_config``, the vision module from
+    ``hf_config`` (the checkpoint's transformers config) on the first stage. The image
+    embeddings are written over the placeholder tokens before the sequence-parallel scatter, so
+    the embedding is built without it."""
+    language = build_gpt_model(model_config, transformer_config, pre_process=pre_process,
+                               post_process=post_process,
+                               scatter_embedding_sequence_parallel=False)
+    vision = family.vision_module(hf_config) if pre_process else None
+    if vision is not None:
+        vision.to(transformer_config.params_dtype)
+    return TowerLanguageModel(language, vision, image_token_id=hf_config.image_token_id)
+
+
+def hf_model_builder(hf) -> Optional[Callable]:
+    """How a run builds the model of an opened checkpoint (``hf.HFModel``): the image-text
+    model's builder for a family that has a vision side (a text task then trains its language
+    model with the tower present and unused, so adapters keep the checkpoint's names), None for
+    a language model (the task builds it)."""
+    if hf is None or not hf.family.multimodal:
+        return None
+    return partial(build_tower_language_model, family=hf.family,
+                   hf_config=hf.family.hf_config(hf.checkpoint.config_path))
