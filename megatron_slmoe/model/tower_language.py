@@ -66,8 +66,9 @@ class TowerLanguageModel(MegatronModule):
                                                      features.to(embeddings.dtype))
             embeddings = batch_first.transpose(0, 1).contiguous()
         elif image.any():
-            raise ImageTokenMismatch(f"the batch has {int(image.sum())} image tokens and no "
-                                     f"images")
+            raise ImageTokenMismatch(
+                f"the batch has {int(image.sum())} image tokens (id {self.image_token_id}) and "
+                f"no images: text data must not contain the model's image placeholder")
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
         return embeddings

@@ -410,17 +410,19 @@ class Engine:
 
 def input_errors() -> tuple[type, ...]:
     """Errors a restart would meet again: bad input (a damaged data shard, an adapter that does
-    not fit, a stored object that is not there) and a loss gone NaN (replayed from the newest
+    not fit, a stored object that is not there, text carrying a model's image tokens) and a loss gone NaN (replayed from the newest
     checkpoint, it goes NaN again)."""
     from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.data.errors import DataError
     from megatron_slmoe.hf.errors import HFCheckpointError
     from megatron_slmoe.lora.adapter import AdapterError
+    from megatron_slmoe.model.tower_language import ImageTokenMismatch
     from megatron_slmoe.storage.errors import AccessDeniedError, BucketNotFoundError, \
         ObjectNotFoundError, StorageConfigError
 
     return (ConfigError, DataError, HFCheckpointError, AdapterError, AccessDeniedError,
-            BucketNotFoundError, ObjectNotFoundError, StorageConfigError, NonFiniteError)
+            BucketNotFoundError, ObjectNotFoundError, StorageConfigError, ImageTokenMismatch,
+            NonFiniteError)
 
 
 def _is_out_of_memory(err: BaseException) -> bool:

@@ -131,6 +131,11 @@ def test_image_tokens_without_matching_images_are_one_line(kimi):
     with pytest.raises(ImageTokenMismatch, match=r"^the batch has \d+ image tokens, its images "
                                                  r"\d+ embeddings$"):
         hf_models.kimi_import_and_run(str(directory / "fused"), inputs)
+    # Text carrying the placeholder with no images (a text task's data): one line that says so.
+    text_only = {"input_ids": inputs["input_ids"], "pixel_values": None, "image_grid_thw": None}
+    with pytest.raises(ImageTokenMismatch, match=r"^the batch has \d+ image tokens \(id \d+\) "
+                                                 r"and no images: text data must not contain"):
+        hf_models.kimi_import_and_run(str(directory / "fused"), text_only)
 
 
 def test_config_without_text_config_is_one_line(kimi, tmp_path):
