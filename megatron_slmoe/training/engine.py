@@ -410,8 +410,8 @@ class Engine:
 
 def input_errors() -> tuple[type, ...]:
     """Errors a restart would meet again: bad input (a damaged data shard, an adapter that does
-    not fit, a stored object that is not there, text carrying a model's image tokens) and a loss gone NaN (replayed from the newest
-    checkpoint, it goes NaN again)."""
+    not fit, a stored object that is not there, text carrying a model's image tokens) and a loss
+    gone NaN (replayed from the newest checkpoint, it goes NaN again)."""
     from megatron_slmoe.config.errors import ConfigError
     from megatron_slmoe.data.errors import DataError
     from megatron_slmoe.hf.errors import HFCheckpointError

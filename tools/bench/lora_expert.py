@@ -217,14 +217,16 @@ def median_ms(fn, warmup, reps):
     return statistics.median(times) * 1e3
 
 
-def bench_config(experts, rows, rank, d_in, d_out, args):
-    dtype = DTYPES[args.dtype]
+def checked_variants(experts, rows, rank, d_in, d_out, dtype_name, names):
+    """The inputs of one configuration, a row per variant in ``names`` (status "ok" or why it is
+    not timed) and the variants that agree with the fp64 reference, by name."""
+    dtype = DTYPES[dtype_name]
     inp = make_inputs(experts, rows, rank, d_in, d_out, dtype)
     want = reference(inp)
-    common = dict(device="cpu", dtype=args.dtype, experts=experts, rows_per_expert=rows, rank=rank,
+    common = dict(device="cpu", dtype=dtype_name, experts=experts, rows_per_expert=rows, rank=rank,
                   d_in=d_in, d_out=d_out, threads=torch.get_num_threads())
-    rows_out = []
-    for name in args.variants:
+    rows_out, variants = [], {}
+    for name in names:
         row = dict(common, variant=name, fwd_ms=None, fwd_bwd_ms=None, max_rel_err=None, status="ok")
         rows_out.append(row)
         if name == "fused" and native_extension_error() is not None:
@@ -235,6 +237,17 @@ def bench_config(experts, rows, rank, d_in, d_out, args):
         row["max_rel_err"] = max_rel_err(step(variant, inp["x_TD"], inp["grad_y_TO"]), want)
         if not row["max_rel_err"] <= TOLERANCE[dtype]:  # also catches NaN
             row["status"] = f"mismatch: error {row['max_rel_err']:.2e} over {TOLERANCE[dtype]:.0e}, not timed"
+            continue
+        variants[name] = variant
+    return inp, rows_out, variants
+
+
+def bench_config(experts, rows, rank, d_in, d_out, args):
+    inp, rows_out, variants = checked_variants(experts, rows, rank, d_in, d_out, args.dtype,
+                                               args.variants)
+    for row in rows_out:
+        variant = variants.get(row["variant"])
+        if variant is None:
             continue
         x_TD = inp["x_TD"].detach().requires_grad_()
         row["fwd_ms"] = median_ms(lambda: variant.forward(x_TD), args.warmup, args.reps)

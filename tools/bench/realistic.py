@@ -238,34 +238,25 @@ def kernel_rows(shape: dict, reps: int) -> list[dict]:
     """The fused op and a base GEMM per expert + separate LoRA, against one dense GEMM of the same
     base work (forward: x W^T; forward+backward: dx too, W is frozen).
 
-    Each variant is first checked against the fp64 reference (``lora_expert.bench_config``). The
+    Each variant is first checked against the fp64 reference (``lora_expert.checked_variants``). The
     times are then taken interleaved: every repetition runs the dense GEMM and each variant back to
     back, so that a change in the machine's speed during the run hits all of them alike, and
     ``of_dense`` is the median over repetitions of dense time / variant time."""
-    import torch
-
     sys.path.insert(0, HERE)
     import lora_expert  # noqa: E402  (the kernel benchmark's variants)
 
-    names = ["fused", "separate"]
-    check = argparse.Namespace(dtype="float32", variants=names, warmup=0, reps=1)
     rows = []
     for d_in, d_out in shape["kernel_shapes"]:
         for per_expert in shape["kernel_rows"]:
-            experts = shape["kernel_experts"]
-            checked = lora_expert.bench_config(experts, per_expert, 16, d_in, d_out, check)
-            inp = lora_expert.make_inputs(experts, per_expert, 16, d_in, d_out, torch.float32)
+            inp, checked, variants = lora_expert.checked_variants(
+                shape["kernel_experts"], per_expert, 16, d_in, d_out, "float32",
+                ["fused", "separate"])
             x, grad, w = inp["x_TD"], inp["grad_y_TO"], inp["weight_EOD"][0]
             x_grad = x.detach().requires_grad_()
             timed = {"dense": (lambda: x @ w.t(), lambda: (x @ w.t(), grad @ w))}
-            for row in checked:
-                if row["status"] == "ok":
-                    variant = lora_expert.VARIANT_CLASSES[row["variant"]](
-                        inp["weight_EOD"], inp["lora_a_ERD"], inp["lora_b_EOR"],
-                        inp["tokens_per_expert_E"])
-                    timed[row["variant"]] = (
-                        lambda v=variant: v.forward(x_grad),
-                        lambda v=variant: lora_expert.step(v, x, grad))
+            for name, variant in variants.items():
+                timed[name] = (lambda v=variant: v.forward(x_grad),
+                               lambda v=variant: lora_expert.step(v, x, grad))
             times = {(name, kind): [] for name in timed for kind in (0, 1)}
             for rep in range(reps + 1):  # the first round warms up
                 for name, fns in timed.items():
