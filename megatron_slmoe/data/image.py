@@ -1,7 +1,7 @@
 """Image decoding and preprocessing for the vision tower, with pillow and torch only.
 
 ``decode_image(data)`` turns encoded bytes (PNG, JPEG, WebP, ... whatever pillow reads) into an RGB
-image, or raises :class:`ImageDecodeError` with one line saying why: not an image, truncated,
+image (transparency composited onto white, as transformers' image processors do), or raises :class:`ImageDecodeError` with one line saying why: not an image, truncated,
 corrupt, too large (pillow's decompression-bomb limit), or empty. Truncated data is always an
 error, whatever ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` says (pillow would otherwise fill the
 missing rows with grey: a silently wrong sample).
@@ -88,12 +88,24 @@ def decode_image(data: bytes):
                 ImageFile.LOAD_TRUNCATED_IMAGES = True
         else:
             image.load()
-        return image.convert("RGB")
+        return _rgb(image)
     except Image.DecompressionBombError as err:
         raise ImageDecodeError(f"image too large ({err})") from None
     except Exception as err:  # pillow raises OSError, SyntaxError, ValueError, EOFError, ...
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ImageDecodeError(f"undecodable image: {reason}") from None
+
+
+def _rgb(image):
+    """The image as RGB; a transparent one composited onto white (dropping the alpha would
+    bring back whatever colour the transparent pixels happen to hold)."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)),
+                                     rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def tile_grid(width: int, height: int, max_tiles: int) -> Tuple[int, int]:

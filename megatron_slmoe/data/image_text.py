@@ -20,12 +20,14 @@ Reading goes through energon's own pieces: ``get_dataset_from_config`` builds th
 indices. Our decoder parses ``.json`` parts and leaves images as bytes, decoded here so that a bad
 image is a counted skip, not an exception inside the loader.
 
-**Samples.** The conversation is rendered with the chat template of ``data/instruction.py``; every
-``<image>`` in a message becomes ``image_token_index`` in the token ids, where LLaVAModel puts that
-image's embeddings. ``dataset[i]`` is a dict: ``tokens``, ``labels`` (int64 [S]), ``loss_mask``
-(float32 [S], 1 on assistant tokens), ``images`` (float32 [tiles, 3, H, W]) and
-``num_image_tiles`` (int32 [images]). Its text plus image positions fill at most S (``seq_length``):
-the tail is padding, which LLaVAModel cuts, so the combined sequence is exactly S.
+**Samples.** The conversation is rendered with the chat template of ``data/instruction.py`` (or the checkpoint's own);
+each ``<image>`` in a message becomes what the model's image input (``data/image_inputs.py``)
+makes of it: one placeholder that LLaVAModel widens to the image's tiles, or the placeholder
+repeated once per merged patch for a native-resolution tower. ``dataset[i]`` is a dict:
+``tokens``, ``labels`` (int64 [S]), ``loss_mask`` (float32 [S], 1 on assistant tokens) and the
+image input's tensors (``images`` and ``num_image_tiles``, or ``pixel_values`` and
+``image_grid_thw``). Its text plus image positions fill at most S (``seq_length``): the tail is
+padding (LLaVAModel cuts it, so the combined sequence is exactly S).
 
 **Order and resuming.** As with the text data, sample ``i`` is record ``perm_e[i mod n]`` of
 epoch ``e = i // n`` (a permutation per epoch from ``(seed, e)``; none with ``shuffle=False``), so
@@ -37,7 +39,8 @@ bad record is counted once per process by reason and logged with its shard and k
 ``max_warnings``):
 
 * ``undecodable image``: truncated, corrupt or non-image bytes (``data/image.py``);
-* ``image count mismatch``: the ``<image>`` marks in the text do not match the images;
+* ``image count mismatch``: the ``<image>`` marks in the text do not match the images (or the
+  rendered text holds the model's image placeholder where no image goes);
 * ``path escapes dataset``: a tar member path that is absolute or climbs with ``..``;
 * ``malformed record``: missing or wrongly typed fields, bad JSON, bad turn order;
 * ``too long``: the text and image positions do not fit in ``seq_length``.
@@ -63,12 +66,8 @@ import torch
 
 from megatron_slmoe.data.config import IMAGE_TOKEN
 from megatron_slmoe.data.errors import DataError
-from megatron_slmoe.data.image import (
-    ImageDecodeError,
-    ImagePreprocessConfig,
-    decode_image,
-    preprocess_image,
-)
+from megatron_slmoe.data.image import ImageDecodeError
+from megatron_slmoe.data.image_inputs import ImageCountMismatch, TiledImages
 from megatron_slmoe.data.instruction import (
     MalformedRecord,
     build_generation_prompt,
@@ -201,27 +200,6 @@ def escaping_path(path: str) -> bool:
     return normal.startswith("/") or normal == ".." or normal.startswith("../") or ":" in normal[:2]
 
 
-class ImageTokens:
-    """A tokenizer whose ``encode`` turns each ``<image>`` into ``image_token_index`` (so the chat
-    template of ``data/instruction.py`` places images where the text says); all else delegates."""
-
-    def __init__(self, tokenizer: Tokenizer, image_token_index: int):
-        self._tokenizer = tokenizer
-        self.image_token_index = image_token_index
-
-    def encode(self, text: str) -> List[int]:
-        ids: List[int] = []
-        for i, piece in enumerate(text.split(IMAGE_TOKEN)):
-            if i:
-                ids.append(self.image_token_index)
-            if piece:
-                ids += self._tokenizer.encode(piece)
-        return ids
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-
 # --- energon access -------------------------------------------------------------------------------
 
 
@@ -299,18 +277,16 @@ class ImageTextDataset(torch.utils.data.Dataset):
         path: the dataset folder (with ``.nv-meta``).
         tokenizer: a tokenizer with the chat role tokens.
         seq_length: S, the combined text + image positions of a sample.
-        image_token_index: the placeholder id of ``<image>`` (the model's).
-        tokens_per_tile: language positions one image tile takes (the model's).
-        preprocess: image preprocessing (tile size = the vision tower's input).
+        images: how the model takes images (``data/image_inputs.py``: ``TiledImages`` or
+            ``NativeResolutionImages``).
         split: energon split part ('train', 'val', ...).
         caption_prompt: the user turn of captioning samples.
         seed: order of the records; num_samples: length (default one epoch); shuffle: False keeps
             the split's order; max_warnings: bad-record warnings logged.
     """
 
-    def __init__(self, path: str, tokenizer: Tokenizer, seq_length: int, *,
-                 image_token_index: int, tokens_per_tile: int,
-                 preprocess: ImagePreprocessConfig, split: str = "train",
+    def __init__(self, path: str, tokenizer: Tokenizer, seq_length: int, *, images,
+                 split: str = "train",
                  caption_prompt: str = DEFAULT_CAPTION_PROMPT, seed: int = 1234,
                  num_samples: Optional[int] = None, shuffle: bool = True, max_warnings: int = 20):
         super().__init__()
@@ -321,10 +297,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
         if self.records == 0:
             raise DataError(f"{self.path}: split {split!r} is empty")
         self.tokenizer = tokenizer
-        self.tokens = ImageTokens(tokenizer, image_token_index)
+        self.images = images
+        self.tokens = images.tokenizer(tokenizer)
         self.seq_length = int(seq_length)
-        self.tokens_per_tile = int(tokens_per_tile)
-        self.preprocess = preprocess
         self.caption_prompt = caption_prompt
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self.num_samples = self.records if num_samples is None else int(num_samples)
@@ -426,31 +401,35 @@ class ImageTextDataset(torch.utils.data.Dataset):
         messages, images = conversation_of(sample, self.caption_prompt)
         return messages, images, where
 
-    def _pixels(self, images: Sequence[bytes]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _pixels(self, images: Sequence[bytes]) -> Dict[str, torch.Tensor]:
         try:
-            tiles = [preprocess_image(decode_image(data), self.preprocess) for data in images]
+            return self.images.pixels(images)
         except ImageDecodeError as err:
             raise BadSample("undecodable image", str(err)) from None
-        cfg = self.preprocess
-        pixels = torch.cat(tiles) if tiles else torch.zeros(0, 3, cfg.img_h, cfg.img_w)
-        counts = torch.tensor([t.shape[0] for t in tiles], dtype=torch.int32)
-        return pixels, counts
+
+    def _expand(self, ids: List[int], targets: List[int], pixels: Dict[str, torch.Tensor]
+                ) -> Tuple[List[int], List[int]]:
+        """(ids, targets) with room for the images."""
+        try:
+            return self.images.expand(ids, targets, pixels)
+        except ImageCountMismatch as err:
+            raise BadSample("image count mismatch", str(err)) from None
 
     def _encode(self, messages, images: Sequence[bytes]) -> Dict[str, torch.Tensor]:
-        ids, targets = render_chat(self.tokens, messages)
-        pixels, counts = self._pixels(images)
-        self._check_fits(len(ids), counts)
-        return self._pack(ids, targets, pixels, counts)
+        pixels = self._pixels(images)
+        ids, targets = render_chat(self.tokens, self.images.messages(messages))
+        ids, targets = self._expand(ids, targets, pixels)
+        self._check_fits(len(ids), pixels)
+        return self._pack(ids, targets, pixels)
 
-    def _check_fits(self, num_ids: int, counts: torch.Tensor) -> None:
-        # Inputs are ids[:-1]; each placeholder among them widens to its tiles' positions.
-        width = num_ids - 1 + int((counts * self.tokens_per_tile - 1).sum())
+    def _check_fits(self, num_ids: int, pixels: Dict[str, torch.Tensor]) -> None:
+        width = self.images.positions(num_ids - 1, pixels)  # inputs are ids[:-1]
         if width > self.seq_length:
             raise BadSample("too long", f"{width} text + image positions exceed seq_length "
                                         f"{self.seq_length}")
 
-    def _pack(self, ids: List[int], targets: List[int], pixels: torch.Tensor,
-              counts: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _pack(self, ids: List[int], targets: List[int],
+              pixels: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         n, pad = len(ids) - 1, self.tokenizer.pad_id
         tokens = torch.full((self.seq_length,), pad, dtype=torch.int64)
         labels = torch.full((self.seq_length,), pad, dtype=torch.int64)
@@ -459,8 +438,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         tokens[:n], labels[:n] = row[:-1], row[1:]
         loss_mask[:n] = torch.tensor(targets[1:], dtype=torch.float32)
         self.stats.samples += 1
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "images": pixels,
-                "num_image_tiles": counts}
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, **pixels}
 
     def _skip(self, record: int, err: BadSample) -> None:
         self._bad[record] = err.reason
@@ -492,7 +470,11 @@ class ImageTextDataset(torch.utils.data.Dataset):
 
     def generation_examples(self, limit: Optional[int] = None):
         """(GenerationPrompt, reference answer) of the good records in split order, up to
-        ``limit``: the last assistant turn is the answer to generate."""
+        ``limit``: the last assistant turn is the answer to generate (tiled images: the
+        generator's multimodal path is LLaVAModel's)."""
+        if not isinstance(self.images, TiledImages):
+            raise DataError("held-out answers with images are generated for tiled-image "
+                            "(LLaVA) models only")
         examples = []
         for record in range(self.records):
             if limit is not None and len(examples) >= limit:
@@ -503,12 +485,13 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 messages, images, _ = self._read(record)
                 context, answer = split_for_generation(messages)
                 prompt = build_generation_prompt(self.tokens, context)
-                pixels, counts = self._pixels(images)
-                self._check_fits(len(prompt) + len(self.tokenizer.encode(answer)) + 1, counts)
+                pixels = self._pixels(images)
+                self._check_fits(len(prompt) + len(self.tokenizer.encode(answer)) + 1, pixels)
             except BadSample as err:
                 self._skip(record, err)
                 continue
-            examples.append((GenerationPrompt(prompt, pixels, counts), answer))
+            examples.append((GenerationPrompt(prompt, pixels["images"],
+                                              pixels["num_image_tiles"]), answer))
         return examples
 
 
@@ -524,14 +507,16 @@ class GenerationPrompt:
 
 
 def collate_image_text(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    """One micro-batch: text tensors stacked [b, S]; the images and tile counts of all samples
-    concatenated in sample order (the order LLaVAModel fills the placeholders in)."""
+    """One micro-batch: text tensors stacked [b, S]; the image tensors of all samples (tiles and
+    their counts, or patches and their grids) concatenated in sample order (the order the model
+    fills the placeholders in)."""
     if not samples:
         raise DataError("collate_image_text: no samples")
-    batch = {key: torch.stack([s[key] for s in samples])
-             for key in ("tokens", "labels", "loss_mask")}
-    batch["images"] = torch.cat([s["images"] for s in samples])
-    batch["num_image_tiles"] = torch.cat([s["num_image_tiles"] for s in samples])
+    text = ("tokens", "labels", "loss_mask")
+    batch = {key: torch.stack([s[key] for s in samples]) for key in text}
+    for key in samples[0]:
+        if key not in text:
+            batch[key] = torch.cat([s[key] for s in samples])
     return batch
 
 

@@ -18,9 +18,9 @@ from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.tokenizer import load_tokenizer
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.image import ImagePreprocessConfig, decode_image, preprocess_image
+from megatron_slmoe.data.image_inputs import ImageTokens, TiledImages
 from megatron_slmoe.data.image_text import (
     ImageTextDataset,
-    ImageTokens,
     collate_image_text,
     reduce_skip_counts,
 )
@@ -50,8 +50,8 @@ def _png(colour, size=(20, 12)) -> bytes:
 
 
 def _dataset(path, tok, **kw):
-    return ImageTextDataset(str(path), tok, SEQ, image_token_index=IMAGE,
-                            tokens_per_tile=TILE_TOKENS, preprocess=PREPROCESS,
+    return ImageTextDataset(str(path), tok, SEQ,
+                            images=TiledImages(PREPROCESS, IMAGE, TILE_TOKENS),
                             shuffle=kw.pop("shuffle", False), **kw)
 
 

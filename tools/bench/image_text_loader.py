@@ -47,6 +47,7 @@ from megatron_slmoe.platform import apply_adaptor
 apply_adaptor()
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.image import ImagePreprocessConfig, decode_image, preprocess_image
+from megatron_slmoe.data.image_inputs import TiledImages
 from megatron_slmoe.data.image_text import ImageTextDataset, collate_image_text, open_energon_split
 from megatron_slmoe.data.image_text_prepare import ShardRecord, prepare_image_text
 from megatron_slmoe.data.tokenizer import load_tokenizer
@@ -190,8 +191,8 @@ def bench_dataset(name: str, path: str, preprocess: ImagePreprocessConfig, patch
     tokenizer = load_tokenizer(asset_path("tokenizer.json"))
     tokens_per_tile = (preprocess.img_h // patch) * (preprocess.img_w // patch)
     dataset = ImageTextDataset(path, tokenizer, args.seq_length + preprocess.tiles_per_image
-                               * tokens_per_tile, image_token_index=-200,
-                               tokens_per_tile=tokens_per_tile, preprocess=preprocess,
+                               * tokens_per_tile,
+                               images=TiledImages(preprocess, -200, tokens_per_tile),
                                shuffle=False)
     n = min(args.samples, dataset.records)
     factory, reader = open_energon_split(path, "train")
@@ -292,8 +293,8 @@ def bench_object_store(name: str, path: str, preprocess: ImagePreprocessConfig, 
             storage = Storage(StorageConfig(cache_dir=cache))
             dataset = ImageTextDataset(storage.local_dir(url), tokenizer,
                                        args.seq_length + preprocess.tiles_per_image
-                                       * tokens_per_tile, image_token_index=-200,
-                                       tokens_per_tile=tokens_per_tile, preprocess=preprocess,
+                                       * tokens_per_tile,
+                                       images=TiledImages(preprocess, -200, tokens_per_tile),
                                        shuffle=False)
             n = min(args.samples, dataset.records)
             for i in range(n):
