@@ -56,7 +56,8 @@ class TowerLanguageModel(MegatronModule):
         text_ids = input_ids.masked_fill(image, 0)
         embeddings = self.language_model.embedding(input_ids=text_ids, position_ids=position_ids)
         if pixel_values is not None:
-            features = self.vision(pixel_values, image_grid_thw)
+            dtype = next(self.vision.parameters()).dtype  # the data pipeline's are float32
+            features = self.vision(pixel_values.to(dtype), image_grid_thw)
             wanted = int(image.sum())
             if features.shape[0] != wanted:
                 raise ImageTokenMismatch(f"the batch has {wanted} image tokens, its images "

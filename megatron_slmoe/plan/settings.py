@@ -198,5 +198,7 @@ class RunSettings:
             lora_rank=run.lora.rank, lora_targets=tuple(run.lora.targets),
             hierarchical_alltoall=run.moe.hierarchical_alltoall,
             devices_per_node=devices_per_node or world_size,
+            # LLaVAModel's tower; an HF checkpoint's own tower is not priced (Kimi-K2.5's
+            # ~0.4 B parameters beside ~1 T).
             vision=(VisionShape.from_config(run.vision, run.image_text)
-                    if run.data.task == "image-text" else None))
+                    if run.data.task == "image-text" and not run.model.hf_checkpoint else None))

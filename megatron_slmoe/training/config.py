@@ -218,14 +218,11 @@ def validate_run(run: RunConfig, world_size: int) -> None:
     if run.output.save_base and run.model.finetune_mode != "full":
         raise ConfigError("--save-base needs --finetune-mode full")
     if run.data.task == "image-text":
-        if run.model.hf_checkpoint:
-            # Kimi-K2.5's image pipeline (MoonViT patches at each image's own resolution) is
-            # not in the image-text task yet; its language model fine-tunes with --task text.
-            raise ConfigError("--task image-text does not take --hf-checkpoint yet (an HF "
-                              "image-text checkpoint such as Kimi-K2.5 fine-tunes its language "
-                              "model with --task text); start from --base-checkpoint (the tower: "
-                              "--vision-checkpoint)")
-        run.vision.check_tensor_parallel(tp)
+        if run.model.hf_checkpoint and run.vision.checkpoint:
+            raise ConfigError("--vision-checkpoint is the tower of our own multimodal model; a "
+                              "multimodal --hf-checkpoint brings its own")
+        if not run.model.hf_checkpoint:
+            run.vision.check_tensor_parallel(tp)
         if run.data.seq_length % tp:
             raise ConfigError(f"--seq-length {run.data.seq_length} must be divisible by "
                               f"--tensor-model-parallel-size {tp} (the image-text sequence is "

@@ -51,7 +51,7 @@ def build_task(run: RunConfig) -> Task:
         from megatron_slmoe.training.tasks.image_text import ImageTextTask
 
         return ImageTextTask(run.data, run.vision, run.image_text, run.schedule,
-                             run.model.finetune_mode)
+                             run.model.finetune_mode, run.model.hf_checkpoint)
     from megatron_slmoe.training.tasks.text import TextTask
 
     return TextTask(run.data, run.schedule)

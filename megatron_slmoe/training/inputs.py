@@ -189,10 +189,14 @@ def _check_image_text_data(run: RunConfig, tokenizer) -> None:
     """Each split opens, its shards are whole, and it has a usable sample (the first good record
     in split order; a dataset of bad records is refused, not trained on as skips)."""
     from megatron_slmoe.data.errors import DataError
-    from megatron_slmoe.data.image import ImagePreprocessConfig
     from megatron_slmoe.data.image_text import ImageTextDataset
+    from megatron_slmoe.training.tasks.image_text import image_input
 
-    data, vision = run.data, run.vision
+    data = run.data
+    try:
+        images = image_input(run.vision, run.image_text, run.model.hf_checkpoint, tokenizer)
+    except DataError as err:
+        raise ConfigError(f"--task image-text: {err}") from None
     if not data.train_data:
         return  # the shapes task, made by the run itself
     for flag, path, split in (("--train-data", data.train_data, "train"),
@@ -201,10 +205,7 @@ def _check_image_text_data(run: RunConfig, tokenizer) -> None:
             # Into the node cache now (the download the run needs anyway), then as a folder.
             path = _node_copy_of_dataset(run, flag, path)
         try:
-            ImageTextDataset(path, tokenizer, data.seq_length, split=split,
-                             image_token_index=vision.image_token_index,
-                             tokens_per_tile=vision.num_image_embeddings,
-                             preprocess=ImagePreprocessConfig.from_sections(vision, run.image_text),
+            ImageTextDataset(path, tokenizer, data.seq_length, split=split, images=images,
                              caption_prompt=run.image_text.caption_prompt, max_warnings=0)
         except DataError as err:
             raise ConfigError(f"{flag}: {err}") from None

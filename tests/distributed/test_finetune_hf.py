@@ -7,7 +7,11 @@ the weights, and the tokenizer (with its chat template) is the checkpoint's.
   weights and the tokenizer really are the checkpoint's; the adapter then trains;
 - Kimi-K2.5 (a MoonViT tower and projector before a DeepSeek-V3 language model): ``--task text``
   fine-tunes its language model (held-out loss before training = transformers' on text, under
-  EP=2), ``--task image-text`` is refused before start-up in one line;
+  EP=2); ``--task image-text`` fine-tunes the whole model on image questions from the checkpoint
+  as users get one (weights, tokenizer with Kimi's media tokens, ``preprocessor_config.json``):
+  the held-out loss before training is transformers' on the same image+text batches, LoRA on the
+  language model, the tower's attention and the projector trains, and PEFT's model with the
+  exported adapter gives the trained model's image+text logits;
 - the entry point's checks before start-up pass on it; the launcher (``HF_CHECKPOINT``) refuses
   a truncated shard in one line, exit code 2, before torchrun starts (``--validate-only``).
 """
@@ -141,14 +145,158 @@ def test_kimi_k25_trained_adapter_in_peft_gives_our_image_text_logits(kimi_check
     assert (theirs - hf_models.kimi_hf_logits(model, inputs)).abs().max() > 1e-3  # it trained
 
 
-def test_kimi_k25_image_text_task_is_refused_in_one_line(kimi_checkpoint, tmp_path, capsys):
+MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>")
+IMAGE_TEXT_SEQ = 96  # a shapes question (~40 tokens of this small tokenizer) and its 32x32 image
+
+
+def _kimi_image_text_model(image_token_id: int):
+    return hf_models.build_kimi(text_overrides=dict(vocab_size=VOCAB,
+                                                    max_position_embeddings=IMAGE_TEXT_SEQ),
+                                image_token_id=image_token_id)
+
+
+@pytest.fixture(scope="module")
+def kimi_image_text_checkpoint(tmp_path_factory):
+    """Kimi-K2.5 as users get it: the weights, a tokenizer holding Kimi's media tokens (the image
+    placeholder is config.json's image_token_id) and the image processor's settings."""
+    import json
+
+    import tokenizers
+
+    hf_dir = tmp_path_factory.mktemp("hf-image-text") / "kimi-k25"
+    hf_dir.mkdir()
+    hf_models.save_chatml_tokenizer(hf_dir)
+    backend = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    backend.add_special_tokens(list(MEDIA_TOKENS))
+    backend.save(str(hf_dir / "tokenizer.json"))
+    model = _kimi_image_text_model(backend.token_to_id("<|media_pad|>"))
+    hf_models.save(model, str(hf_dir), layout="fused")
+    (hf_dir / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Kimi_K25ImageProcessor", "patch_size": 14, "merge_size": 2,
+        "max_patches": 16384, "size": {"max_height": 512, "max_width": 512},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    return hf_dir, model
+
+
+def _image_text_run(args: list[str], output: str, hf_dir: str, batch: dict):
+    """The whole run (the entry point's engine); then its summary and this rank's image+text
+    logits of the model it trained (the checkpoint with the run's adapter, built afresh)."""
+    import json
+
+    summary_path = os.path.join(output, "summary.json")
+    logits = _run_and_logits(args, os.path.join(output, "adapter"), hf_dir, batch)
+    with open(summary_path, encoding="utf-8") as f:
+        return json.load(f), logits
+
+
+def _held_out_batches(hf_dir: Path, dataset_dir: Path) -> list[dict]:
+    """The held-out micro-batches of the run (one global batch of the shapes questions' val
+    split, in order), as the task makes them from the checkpoint's processor settings."""
+    from megatron_slmoe.data.config import ImageTextConfig
+    from megatron_slmoe.data.image_text import ImageTextDataset, collate_image_text
+    from megatron_slmoe.data.sampler import micro_batches
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.model.config import VisionConfig
+    from megatron_slmoe.training.tasks.image_text import image_input
+
+    tokenizer = load_tokenizer(str(hf_dir))
+    images = image_input(VisionConfig(), ImageTextConfig(), str(hf_dir), tokenizer)
+    valid = ImageTextDataset(str(dataset_dir), tokenizer, IMAGE_TEXT_SEQ, images=images,
+                             split="val", shuffle=False)
+    return [collate_image_text([valid[i] for i in part])
+            for part in micro_batches(range(GLOBAL_BATCH), MICRO_BATCH)]
+
+
+def _transformers_loss(model, batches: list[dict]) -> float:
+    """Mean over micro-batches of the masked token mean, with transformers' model."""
+    per_micro_batch = []
+    for batch in batches:
+        with torch.no_grad():
+            logits = model(input_ids=batch["tokens"], pixel_values=batch["pixel_values"],
+                           image_grid_thw=batch["image_grid_thw"]).logits.float()
+        token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"],
+                                                       reduction="none")
+        mask = batch["loss_mask"].float()
+        per_micro_batch.append(float((token_loss * mask).sum() / mask.sum()))
+    return sum(per_micro_batch) / len(per_micro_batch)
+
+
+def test_kimi_k25_fine_tunes_on_image_questions(kimi_image_text_checkpoint, tmp_path):
+    """``--task image-text --hf-checkpoint`` under EP=2, ten steps on the shapes questions, LoRA
+    on attention, experts, the tower's attention and the projector, exported for PEFT."""
+    from peft import PeftModel
+
+    hf_dir, model = kimi_image_text_checkpoint
+    output, peft_dir = tmp_path / "run", tmp_path / "peft"
+    args = _args(hf_dir, output, "--task", "image-text", "--expert-model-parallel-size", "2",
+                 "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1",
+                 "linear_fc2", "vision_attention", "projector", "--export-hf", str(peft_dir),
+                 "--export-hf-layout", "fused", "--eval-answers", "0")
+    args[args.index("--seq-length") + 1] = str(IMAGE_TEXT_SEQ)
+    args[args.index("--train-iters") + 1] = "10"
+    # The held-out batches come from the dataset the run makes in its folder: made here first
+    # (deterministic), so the reference needs nothing from the run.
+    from megatron_slmoe.data.shapes import ensure_shapes_task
+
+    ensure_shapes_task(str(output / "data" / "shapes"))
+    batches = _held_out_batches(hf_dir, output / "data" / "shapes" / "vqa")
+    batch = batches[0]
+    images_per_row = [int(n) for n in (batch["tokens"] == model.config.image_token_id).sum(1)]
+    assert images_per_row == [int(g.prod()) // 4 for g in batch["image_grid_thw"]]
+    inputs = {"input_ids": batch["tokens"], "pixel_values": batch["pixel_values"],
+              "image_grid_thw": batch["image_grid_thw"]}
+    results = run_ranks(_image_text_run, 2, ep=2, args=args, output=str(output),
+                        hf_dir=str(hf_dir), batch=inputs, timeout=600.0)
+    (summary, ours), (_, ours_1) = results
+    torch.testing.assert_close(ours, ours_1)
+    assert summary["eval_loss_before"] == pytest.approx(_transformers_loss(model, batches),
+                                                        rel=1e-5)
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    peft_model = PeftModel.from_pretrained(_kimi_image_text_model(model.config.image_token_id),
+                                           str(peft_dir)).eval()
+    theirs = hf_models.kimi_hf_logits(peft_model, inputs)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=2e-5)
+    assert (theirs - hf_models.kimi_hf_logits(model, inputs)).abs().max() > 1e-3  # it trained
+    tower_adapters = [n for n, _ in peft_model.named_parameters()
+                      if "vision_tower" in n and "lora_B" in n]
+    assert tower_adapters and any(p.abs().max() > 0 for n, p in peft_model.named_parameters()
+                                  if n in tower_adapters)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_kimi_k25_image_text_held_out_loss_in_other_layouts(kimi_image_text_checkpoint,
+                                                            tmp_path, layout):
+    """TP=2 (sequence parallel: the image embeddings go in before the sequence is split) and
+    PP=2 (the tower on the first stage): the held-out loss before training is transformers'."""
+    from megatron_slmoe.data.shapes import ensure_shapes_task
+
+    hf_dir, model = kimi_image_text_checkpoint
+    output = tmp_path / "run"
+    flag = {"tp2": "--tensor-model-parallel-size", "pp2": "--pipeline-model-parallel-size"}
+    args = _args(hf_dir, output, "--task", "image-text", flag[layout], "2",
+                 "--eval-answers", "0")
+    args[args.index("--seq-length") + 1] = str(IMAGE_TEXT_SEQ)
+    ensure_shapes_task(str(output / "data" / "shapes"))
+    batches = _held_out_batches(hf_dir, output / "data" / "shapes" / "vqa")
+    results = run_ranks(finetune_steps, 2, **{layout[:2]: 2}, etp=1, args=args)
+    assert results[0] == results[1]
+    assert results[0]["eval_before"] == pytest.approx(_transformers_loss(model, batches),
+                                                      rel=1e-5)
+    assert all(torch.isfinite(torch.tensor(results[0]["losses"])))
+
+
+def test_kimi_k25_image_text_needs_the_processor_settings(kimi_image_text_checkpoint, tmp_path,
+                                                          capsys):
     from megatron_slmoe.training.finetune import main
 
-    hf_dir, _ = kimi_checkpoint
-    assert main([*_args(hf_dir, tmp_path / "run"), "--task", "image-text",
+    hf_dir, _ = kimi_image_text_checkpoint
+    bare = tmp_path / "no-processor"
+    shutil.copytree(hf_dir, bare)
+    (bare / "preprocessor_config.json").unlink()
+    assert main([*_args(bare, tmp_path / "run"), "--task", "image-text",
                  "--validate-only"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--task image-text does not take --hf-checkpoint" in err[0], err
+    assert len(err) == 1 and "preprocessor_config.json: missing" in err[0], err
     assert not (tmp_path / "run").exists()
 
 

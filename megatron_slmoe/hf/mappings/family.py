@@ -108,6 +108,11 @@ class Family:
     layouts: Layouts = Layouts()
     multimodal: bool = False
     """Whether the checkpoint holds a vision tower and projector beside the language model."""
+    image_token: str = ""
+    """A multimodal family's placeholder token: one per image token in the ids."""
+    image_text: str = ""
+    """How a multimodal family writes one image in a conversation (``image_token`` once, which
+    is then repeated to the image's tokens)."""
 
     def transformer_fields(self, c: ConfigReader) -> tuple[dict, dict]:
         """(TransformerConfig fields, GPTModel fields) of the model ``config.json`` describes."""

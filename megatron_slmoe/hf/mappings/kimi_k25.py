@@ -45,6 +45,10 @@ class KimiK25Family(DeepseekV3Family):
                                Renamed(LANGUAGE_MODEL + ".layers.", LANGUAGE_MODEL + ".blocks.")),
                       fused=GATED_EXPERTS.fused)
     multimodal = True
+    image_token = "<|media_pad|>"
+    # transformers' processor writes a video chunk as <|media_begin|>video<|media_content|>
+    # ...<|media_end|>; an image the same way.
+    image_text = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
 
     def model_config(self, config: dict, path: str) -> ModelConfig:
         top = ConfigReader(config, path)
