@@ -3,7 +3,7 @@ reference ``tests/unit/test_native_resolution.py`` holds our image pipeline to.
 
 Why a recorded file: the processor is torchvision's (``Kimi_K25ImageProcessor`` is a
 ``TorchvisionBackend``), and no torchvision wheel loads with the CPU torch build the tests run on.
-Run this where torchvision works (any machine with torch + torchvision + transformers >= 5.18)::
+Run this where torchvision works (torch, torchvision and a transformers with Kimi-K2.5)::
 
     python tools/kimi_processor_reference.py tests/data/kimi_k25_processor_reference.safetensors
 

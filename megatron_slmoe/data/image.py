@@ -1,8 +1,9 @@
 """Image decoding and preprocessing for the vision tower, with pillow and torch only.
 
-``decode_image(data)`` turns encoded bytes (PNG, JPEG, WebP, ... whatever pillow reads) into an RGB
-image (transparency composited onto white, as transformers' image processors do), or raises :class:`ImageDecodeError` with one line saying why: not an image, truncated,
-corrupt, too large (pillow's decompression-bomb limit), or empty. Truncated data is always an
+``decode_image(data)`` turns encoded bytes (PNG, JPEG, WebP, ... whatever pillow reads) into an
+RGB image (transparency composited onto white, as transformers' image processors do), or raises
+:class:`ImageDecodeError` with one line saying why: not an image, truncated, corrupt, too large
+(pillow's decompression-bomb limit), or empty. Truncated data is always an
 error, whatever ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` says (pillow would otherwise fill the
 missing rows with grey: a silently wrong sample).
 

@@ -11,9 +11,9 @@ becomes, and how the token ids make room for it.
   processor makes them. Sample tensors ``pixel_values`` [patches, 3, p, p] and
   ``image_grid_thw`` [images, 3].
 
-Both raise :class:`~megatron_slmoe.data.image.ImageDecodeError` for images that do not decode and
-:class:`ImageCountMismatch` where the token ids and the images disagree; the dataset counts
-either as a bad record.
+Both raise :class:`~megatron_slmoe.data.image.ImageDecodeError` for images that do not decode;
+:class:`NativeResolutionImages` raises :class:`ImageCountMismatch` where the rendered ids and the
+images disagree (LLaVAModel checks its own). The dataset counts either as a bad record.
 """
 
 from __future__ import annotations

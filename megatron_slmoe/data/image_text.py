@@ -20,14 +20,14 @@ Reading goes through energon's own pieces: ``get_dataset_from_config`` builds th
 indices. Our decoder parses ``.json`` parts and leaves images as bytes, decoded here so that a bad
 image is a counted skip, not an exception inside the loader.
 
-**Samples.** The conversation is rendered with the chat template of ``data/instruction.py`` (or the checkpoint's own);
-each ``<image>`` in a message becomes what the model's image input (``data/image_inputs.py``)
-makes of it: one placeholder that LLaVAModel widens to the image's tiles, or the placeholder
-repeated once per merged patch for a native-resolution tower. ``dataset[i]`` is a dict:
-``tokens``, ``labels`` (int64 [S]), ``loss_mask`` (float32 [S], 1 on assistant tokens) and the
-image input's tensors (``images`` and ``num_image_tiles``, or ``pixel_values`` and
-``image_grid_thw``). Its text plus image positions fill at most S (``seq_length``): the tail is
-padding (LLaVAModel cuts it, so the combined sequence is exactly S).
+**Samples.** The conversation is rendered with the chat template of ``data/instruction.py`` (or
+the checkpoint's own); each ``<image>`` in a message becomes what the model's image input
+(``data/image_inputs.py``) makes of it: one placeholder that LLaVAModel widens to the image's
+tiles, or the placeholder repeated once per merged patch for a native-resolution tower.
+``dataset[i]`` is a dict: ``tokens``, ``labels`` (int64 [S]), ``loss_mask`` (float32 [S], 1 on
+assistant tokens) and the image input's tensors (``images`` and ``num_image_tiles``, or
+``pixel_values`` and ``image_grid_thw``). Its text plus image positions fill at most S
+(``seq_length``): the tail is padding (LLaVAModel cuts it, so the combined sequence is exactly S).
 
 **Order and resuming.** As with the text data, sample ``i`` is record ``perm_e[i mod n]`` of
 epoch ``e = i // n`` (a permutation per epoch from ``(seed, e)``; none with ``shuffle=False``), so
@@ -470,11 +470,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
 
     def generation_examples(self, limit: Optional[int] = None):
         """(GenerationPrompt, reference answer) of the good records in split order, up to
-        ``limit``: the last assistant turn is the answer to generate (tiled images: the
-        generator's multimodal path is LLaVAModel's)."""
-        if not isinstance(self.images, TiledImages):
-            raise DataError("held-out answers with images are generated for tiled-image "
-                            "(LLaVA) models only")
+        ``limit``: the last assistant turn is the answer to generate."""
         examples = []
         for record in range(self.records):
             if limit is not None and len(examples) >= limit:
@@ -484,25 +480,35 @@ class ImageTextDataset(torch.utils.data.Dataset):
             try:
                 messages, images, _ = self._read(record)
                 context, answer = split_for_generation(messages)
-                prompt = build_generation_prompt(self.tokens, context)
                 pixels = self._pixels(images)
+                prompt = build_generation_prompt(self.tokens, self.images.messages(context))
+                prompt, _ = self._expand(prompt, [0] * len(prompt), pixels)
                 self._check_fits(len(prompt) + len(self.tokenizer.encode(answer)) + 1, pixels)
             except BadSample as err:
                 self._skip(record, err)
                 continue
-            examples.append((GenerationPrompt(prompt, pixels["images"],
-                                              pixels["num_image_tiles"]), answer))
+            examples.append((self._prompt(prompt, pixels), answer))
         return examples
+
+
+    def _prompt(self, tokens: List[int], pixels: Dict[str, torch.Tensor]) -> "GenerationPrompt":
+        if isinstance(self.images, TiledImages):
+            return GenerationPrompt(tokens, pixels["images"], pixels["num_image_tiles"])
+        return GenerationPrompt(tokens, pixels["pixel_values"],
+                                image_grid_thw=pixels["image_grid_thw"])
 
 
 @dataclass
 class GenerationPrompt:
     """One prompt to answer: ``tokens`` (ids with image placeholders, ending in the assistant
-    role token), its ``images`` [tiles, 3, H, W] and ``num_image_tiles`` [images]."""
+    role token) and its images: LLaVA's tiles ``images`` [tiles, 3, H, W] with
+    ``num_image_tiles`` [images], or a tower's patches ``images`` [patches, 3, p, p] with
+    ``image_grid_thw`` [images, 3] (the tokens then hold one placeholder per image token)."""
 
     tokens: List[int]
     images: torch.Tensor
-    num_image_tiles: torch.Tensor
+    num_image_tiles: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
 
 
 

@@ -14,7 +14,11 @@ One image becomes:
    ``(1, h, w)`` in patches. The tower merges ``merge_size`` x ``merge_size`` patches into one
    language token, so the image takes ``h * w / merge_size**2`` placeholder tokens.
 
-The settings are the checkpoint's ``preprocessor_config.json`` (``from_preprocessor_config``).
+The settings are the checkpoint's ``preprocessor_config.json`` (``from_preprocessor_config``), in
+either layout: transformers' (``patch_size``, ``merge_size``, ``max_patches``, ``size.max_height``,
+``image_mean``, ``image_std``) or the published checkpoints' (under ``media_proc_cfg``:
+``patch_size``, ``merge_kernel_size``, ``in_patch_limit``, ``patch_limit_on_one_side``,
+``image_mean``, ``image_std``).
 """
 
 from __future__ import annotations
@@ -33,9 +37,7 @@ IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 
 @dataclass(frozen=True)
 class NativeResolutionConfig:
-    """How images become patches (transformers' names in ``preprocessor_config.json``:
-    ``patch_size``, ``merge_size``, ``max_patches``, ``size.max_height``, ``image_mean``,
-    ``image_std``, ``rescale_factor``; the defaults are Kimi-K2.5's processor's)."""
+    """How images become patches (the defaults are Kimi-K2.5's processor's)."""
 
     patch_size: int = 14
     merge_size: int = 2
@@ -59,6 +61,11 @@ class NativeResolutionConfig:
             raise DataError(f"{path}: not readable JSON ({err})") from None
         if not isinstance(raw, dict):
             raise DataError(f"{path}: not a JSON object")
+        if "media_proc_cfg" in raw:
+            raw = _from_published(raw["media_proc_cfg"], path)
+        elif not {"patch_size", "merge_size", "max_patches", "size"} & raw.keys():
+            raise DataError(f"{path}: neither transformers' image processor settings (patch_size, "
+                            f"merge_size, max_patches, size) nor the published media_proc_cfg")
         size = raw.get("size") or {}
         if not isinstance(size, dict):
             raise DataError(f"{path}: size must be an object, got {size!r}")
@@ -98,6 +105,30 @@ class NativeResolutionConfig:
         return self.merge_size ** 2
 
 
+def _from_published(cfg, path: str) -> dict:
+    """The published checkpoints' ``media_proc_cfg`` in transformers' names."""
+    if not isinstance(cfg, dict):
+        raise DataError(f"{path}: media_proc_cfg must be an object, got {cfg!r}")
+    if cfg.get("fixed_output_tokens") is not None:
+        raise DataError(f"{path}: media_proc_cfg.fixed_output_tokens="
+                        f"{cfg['fixed_output_tokens']!r} is not supported (images are sized by "
+                        f"the patch budgets)")
+    merge = cfg.get("merge_kernel_size", 2)
+    if isinstance(merge, (list, tuple)):
+        if len(merge) != 2 or merge[0] != merge[1]:
+            raise DataError(f"{path}: media_proc_cfg.merge_kernel_size must be square, "
+                            f"got {merge!r}")
+        merge = merge[0]
+    names = {"patch_size": "patch_size", "in_patch_limit": "max_patches",
+             "image_mean": "image_mean", "image_std": "image_std"}
+    out = {ours: cfg[theirs] for theirs, ours in names.items() if theirs in cfg}
+    out["merge_size"] = merge
+    if "patch_limit_on_one_side" in cfg:
+        side = cfg["patch_limit_on_one_side"]
+        out["size"] = {"max_height": side, "max_width": side}
+    return out
+
+
 def fitted_size(height: int, width: int, config: NativeResolutionConfig
                 ) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     """((resized height, width), (padded height, width)) of an image, in pixels: the processor's
@@ -113,7 +144,8 @@ def fitted_size(height: int, width: int, config: NativeResolutionConfig
     return (new_h, new_w), (-(-new_h // factor) * factor, -(-new_w // factor) * factor)
 
 
-def image_patches(image, config: NativeResolutionConfig) -> Tuple[torch.Tensor, Tuple[int, int, int]]:
+def image_patches(image, config: NativeResolutionConfig
+                  ) -> Tuple[torch.Tensor, Tuple[int, int, int]]:
     """(``pixel_values`` float32 [h * w, 3, p, p], grid ``(1, h, w)``) of an RGB ``PIL.Image``."""
     import numpy as np
 

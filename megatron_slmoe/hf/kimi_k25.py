@@ -90,6 +90,15 @@ class KimiK25Vision(torch.nn.Module):
                 break
         return sources
 
+    def blank_image(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The smallest input the tower takes (one merged patch of zeros) and its grid."""
+        config = self.vision_tower.config
+        merge_h, merge_w = config.merge_kernel_size
+        patch = config.patch_size
+        pixels = torch.zeros(merge_h * merge_w, 3, patch, patch, device=device,
+                             dtype=self.mm_projector.in_proj.weight.dtype)
+        return pixels, torch.tensor([[1, merge_h, merge_w]], device=device)
+
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         pooled = self.vision_tower(pixel_values, grid_thw=image_grid_thw).pooler_output
         return self.mm_projector(pooled.to(self.mm_projector.in_proj.weight.dtype)).squeeze(1)

@@ -16,10 +16,12 @@ stages. What this module adds is the loop around one forward step:
 * sequence parallelism (on whenever TP > 1 in training) cannot split a one-token decode step:
   it is switched off for the duration and the model is put in eval mode; every switch is restored
   to what it was afterwards, so the training model itself can generate in the middle of a run;
-* a multimodal model (Megatron-Core's ``LLaVAModel``) takes prompts with images: each image
-  placeholder token becomes its tiles' embeddings in the prefill, which puts them in the KV cache;
-  decode steps feed text alone, to the language model. Prompts share a batch when
-  their images take the same number of positions and lie inside the prefill.
+* a multimodal model takes prompts with images: Megatron-Core's ``LLaVAModel`` turns each image
+  placeholder token into its tiles' embeddings in the prefill, a checkpoint's own tower
+  (``model.tower_language.TowerLanguageModel``) writes its image embeddings over the
+  placeholders the prompt already holds one per image token; either way the images enter the KV
+  cache with the prefill and decode steps feed text alone, to the language model. Prompts share
+  a batch when their images take the same number of positions and lie inside the prefill.
 
 ``use_kv_cache=False`` recomputes the whole sequence at every step, without an inference context:
 the reference the KV-cached path is tested against.
@@ -44,6 +46,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.utils import get_attr_wrapped_model, unwrap_model
 
 from megatron_slmoe.compat.megatron import llava_padded_length
+from megatron_slmoe.model.tower_language import TowerLanguageModel
 from megatron_slmoe.inference.sampling import SamplingConfig, prompt_generator, sample_next_tokens
 
 GREEDY = SamplingConfig()
@@ -52,12 +55,14 @@ GREEDY = SamplingConfig()
 @dataclass(frozen=True)
 class _Row:
     """One prompt as the loop sees it: its token ids and, for a multimodal model, its images
-    [tiles, 3, H, W], tiles per image, and how many positions its images add to the sequence."""
+    (LLaVA's tiles [tiles, 3, H, W] and tiles per image, or a tower's patches and their grids
+    ``image_grid_thw``), and how many positions its images add to the sequence."""
 
     tokens: list
     images: Any = None
     num_image_tiles: Any = None
     extra_positions: int = 0
+    image_grid_thw: Any = None
     last_image_at: int = -1
 
 
@@ -77,7 +82,9 @@ class TextGenerator:
         self.model = model
         self.module = unwrap_model(model)
         # A multimodal model's language model is the one whose layout and cache matter.
-        self.multimodal = hasattr(self.module, "img_seq_len")
+        self.llava = hasattr(self.module, "img_seq_len")
+        self.tower = isinstance(self.module, TowerLanguageModel)
+        self.multimodal = self.llava or self.tower
         self.language = self.module.language_model if self.multimodal else self.module
         self.config = self.language.config
         self.eos_id = int(eos_id)
@@ -96,7 +103,8 @@ class TextGenerator:
         """The generated tokens of each prompt (without the prompt and without ``eos_id``).
 
         A prompt is a sequence of token ids or, for a multimodal model, an object with ``tokens``
-        (image placeholders where images go), ``images`` and ``num_image_tiles``.
+        (image placeholders where images go), ``images`` and ``num_image_tiles`` (LLaVAModel's
+        tiles) or ``image_grid_thw`` (a tower's patches; one placeholder per image token).
         ``max_new_tokens``: one limit for all prompts, or one per prompt. ``prompt_indices``: the
         prompts' global indices, which seed their sampling generators (default 0..n-1)."""
         count = len(prompts)
@@ -129,6 +137,10 @@ class TextGenerator:
         if not self.multimodal:
             raise ValueError("prompts with images need a multimodal model")
         tokens = list(prompt.tokens)
+        if self.tower:
+            at = [i for i, t in enumerate(tokens) if t == self.module.image_token_id]
+            return _Row(tokens, prompt.images, last_image_at=at[-1] if at else -1,
+                        image_grid_thw=prompt.image_grid_thw)
         placeholder = self.module.image_token_index
         at = [i for i, t in enumerate(tokens) if t == placeholder]
         tiles = prompt.num_image_tiles
@@ -183,8 +195,9 @@ class TextGenerator:
             tokens_BS[row, :len(prompt.tokens)] = torch.tensor(prompt.tokens, dtype=torch.long)
         images = None
         if rows[0].images is not None:
+            per_image = "image_grid_thw" if self.tower else "num_image_tiles"
             images = (torch.cat([r.images for r in rows]).to(self.device),
-                      torch.cat([r.num_image_tiles for r in rows]).to(self.device))
+                      torch.cat([getattr(r, per_image) for r in rows]).to(self.device))
         done_B = stop_at_B <= prompt_len_B  # a limit of 0 new tokens
         generators = [] if sampling.greedy else [prompt_generator(sampling.seed, i) for i in indices]
         context = StaticInferenceContext(batch, total + extra) if self.use_kv_cache else None
@@ -235,7 +248,12 @@ class TextGenerator:
             received = torch.empty((sent, batch, self.config.hidden_size),
                                    dtype=_pipeline_dtype(self.config), device=self.device)
             recv_from_prev_pipeline_rank_(received)
-        if images is not None:  # the multimodal model expands the images into the sequence
+        if images is not None and self.tower:  # image embeddings over the placeholders
+            get_attr_wrapped_model(self.model, "set_input_tensor")(received)
+            output = self.module(tokens_BS, positions_BS, None, pixel_values=images[0],
+                                 image_grid_thw=images[1], inference_context=context,
+                                 runtime_gather_output=True)
+        elif images is not None:  # the multimodal model expands the images into the sequence
             get_attr_wrapped_model(self.model, "set_input_tensor")(received)
             output, _ = self.module(images[0], tokens_BS, positions_BS, None,
                                     inference_context=context, num_image_tiles=images[1],

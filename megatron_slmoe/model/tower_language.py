@@ -4,9 +4,10 @@ and projector) and whose language model is our Megatron-Core GPTModel.
 Used where Megatron-Core has no faithful build of a checkpoint's tower (``LLaVAModel`` takes
 CLIP, SigLIP, InternViT and RADIO towers; Kimi-K2.5's MoonViT is none of them, see
 ``hf.kimi_k25``). The vision module maps ``(pixel_values, image_grid_thw)`` to one language-width
-embedding per image token ``[N, hidden]``; it lives on the first pipeline stage, replicated over
-tensor, expert and data parallelism (a tower of a few hundred million parameters beside a
-language model of a trillion gains nothing from sharding).
+embedding per image token ``[N, hidden]`` (and gives ``blank_image(device)``, the smallest input
+it takes, run when a micro-batch has no image but the tower trains); it lives on the first
+pipeline stage, replicated over tensor, expert and data parallelism (a tower of a few hundred
+million parameters beside a language model of a trillion gains nothing from sharding).
 
 Forward on the first stage: the text embedding of every token (image tokens embedded as id 0,
 as transformers does), the image embeddings written over the image tokens in the token order of
@@ -55,6 +56,8 @@ class TowerLanguageModel(MegatronModule):
         image = input_ids == self.image_token_id
         text_ids = input_ids.masked_fill(image, 0)
         embeddings = self.language_model.embedding(input_ids=text_ids, position_ids=position_ids)
+        if pixel_values is not None and pixel_values.shape[0] == 0:
+            pixel_values = None  # a micro-batch of text alone
         if pixel_values is not None:
             dtype = next(self.vision.parameters()).dtype  # the data pipeline's are float32
             features = self.vision(pixel_values.to(dtype), image_grid_thw)
@@ -70,6 +73,11 @@ class TowerLanguageModel(MegatronModule):
             raise ImageTokenMismatch(
                 f"the batch has {int(image.sum())} image tokens (id {self.image_token_id}) and "
                 f"no images: text data must not contain the model's image placeholder")
+        elif self.training and any(p.requires_grad for p in self.vision.parameters()):
+            # A trained tower stays in the graph (its gradients zero) when no image came:
+            # Megatron's DDP waits for a gradient of every trained parameter.
+            blank = self.vision(*self.vision.blank_image(embeddings.device))
+            embeddings = embeddings + 0.0 * blank.sum().to(embeddings.dtype)
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
         return embeddings

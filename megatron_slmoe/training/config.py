@@ -201,6 +201,19 @@ class RunConfig:
             self, **{section: dataclasses.replace(getattr(self, section), **changes)})
 
 
+def _changed_flags(section, names: Optional[tuple] = None) -> list[str]:
+    """The flags of ``section``'s settings (those named, or all) set away from their defaults."""
+    changed = []
+    for field in dataclasses.fields(section):
+        if "flag" not in field.metadata or (names is not None and field.name not in names):
+            continue
+        default = (field.default_factory() if field.default_factory is not dataclasses.MISSING
+                   else field.default)
+        if getattr(section, field.name) != default:
+            changed.append(field.metadata["flag"])
+    return changed
+
+
 def validate_run(run: RunConfig, world_size: int) -> None:
     """The rules that span sections (each section has checked its own fields already)."""
     parallel, schedule = run.parallel, run.schedule
@@ -218,10 +231,15 @@ def validate_run(run: RunConfig, world_size: int) -> None:
     if run.output.save_base and run.model.finetune_mode != "full":
         raise ConfigError("--save-base needs --finetune-mode full")
     if run.data.task == "image-text":
-        if run.model.hf_checkpoint and run.vision.checkpoint:
-            raise ConfigError("--vision-checkpoint is the tower of our own multimodal model; a "
-                              "multimodal --hf-checkpoint brings its own")
-        if not run.model.hf_checkpoint:
+        if run.model.hf_checkpoint:
+            # The checkpoint brings its tower and its processor's settings: ours do not apply.
+            ours = _changed_flags(run.vision) + _changed_flags(
+                run.image_text, ("max_tiles", "thumbnail", "image_mean", "image_std"))
+            if ours:
+                raise ConfigError(f"{ours[0]} is a setting of our own multimodal model; a "
+                                  f"multimodal --hf-checkpoint brings its own tower and image "
+                                  f"settings (preprocessor_config.json)")
+        else:
             run.vision.check_tensor_parallel(tp)
         if run.data.seq_length % tp:
             raise ConfigError(f"--seq-length {run.data.seq_length} must be divisible by "

@@ -204,7 +204,22 @@ def _held_out_batches(hf_dir: Path, dataset_dir: Path) -> list[dict]:
     valid = ImageTextDataset(str(dataset_dir), tokenizer, IMAGE_TEXT_SEQ, images=images,
                              split="val", shuffle=False)
     return [collate_image_text([valid[i] for i in part])
-            for part in micro_batches(range(GLOBAL_BATCH), MICRO_BATCH)]
+            for part in micro_batches(range(GLOBAL_BATCH), MICRO_BATCH)], valid
+
+
+def _transformers_ids(hf_dir: Path, messages: list[dict], grid: torch.Tensor) -> list[int]:
+    """What transformers makes of a conversation with one image: the checkpoint's tokenizer and
+    chat template (``apply_chat_template``), the image written as Kimi-K2.5 writes it, its
+    placeholder repeated as ``Kimi_K25Processor`` repeats it (grid / 2x2 merge)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    image = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    text = tokenizer.apply_chat_template(
+        [{**m, "content": m["content"].replace("<image>", image)} for m in messages],
+        tokenize=False)
+    text = text.replace("<|media_pad|>", "<|media_pad|>" * (int(grid.prod()) // 4))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _transformers_loss(model, batches: list[dict]) -> float:
@@ -239,10 +254,13 @@ def test_kimi_k25_fine_tunes_on_image_questions(kimi_image_text_checkpoint, tmp_
     from megatron_slmoe.data.shapes import ensure_shapes_task
 
     ensure_shapes_task(str(output / "data" / "shapes"))
-    batches = _held_out_batches(hf_dir, output / "data" / "shapes" / "vqa")
+    batches, valid = _held_out_batches(hf_dir, output / "data" / "shapes" / "vqa")
     batch = batches[0]
-    images_per_row = [int(n) for n in (batch["tokens"] == model.config.image_token_id).sum(1)]
-    assert images_per_row == [int(g.prod()) // 4 for g in batch["image_grid_thw"]]
+    messages, _, _ = valid._read(0)
+    ids = _transformers_ids(hf_dir, messages, batch["image_grid_thw"][0])
+    n = len(ids) - 1
+    assert batch["tokens"][0, :n].tolist() == ids[:-1]
+    assert batch["labels"][0, :n].tolist() == ids[1:]
     inputs = {"input_ids": batch["tokens"], "pixel_values": batch["pixel_values"],
               "image_grid_thw": batch["image_grid_thw"]}
     results = run_ranks(_image_text_run, 2, ep=2, args=args, output=str(output),
@@ -277,7 +295,7 @@ def test_kimi_k25_image_text_held_out_loss_in_other_layouts(kimi_image_text_chec
                  "--eval-answers", "0")
     args[args.index("--seq-length") + 1] = str(IMAGE_TEXT_SEQ)
     ensure_shapes_task(str(output / "data" / "shapes"))
-    batches = _held_out_batches(hf_dir, output / "data" / "shapes" / "vqa")
+    batches, _ = _held_out_batches(hf_dir, output / "data" / "shapes" / "vqa")
     results = run_ranks(finetune_steps, 2, **{layout[:2]: 2}, etp=1, args=args)
     assert results[0] == results[1]
     assert results[0]["eval_before"] == pytest.approx(_transformers_loss(model, batches),
@@ -285,19 +303,132 @@ def test_kimi_k25_image_text_held_out_loss_in_other_layouts(kimi_image_text_chec
     assert all(torch.isfinite(torch.tensor(results[0]["losses"])))
 
 
-def test_kimi_k25_image_text_needs_the_processor_settings(kimi_image_text_checkpoint, tmp_path,
-                                                          capsys):
-    from megatron_slmoe.training.finetune import main
+def _our_answers(hf_dir: str, dataset_dir: str, limit: int, new_tokens: int):
+    """Greedy answers of the checkpoint's model (built and loaded as a run does, EP over the
+    ranks) to the first held-out image questions, through the package's generator."""
+    from megatron_slmoe.data.config import ImageTextConfig
+    from megatron_slmoe.data.image_text import ImageTextDataset
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+    from megatron_slmoe.hf.tower_model import hf_model_builder
+    from megatron_slmoe.inference.generator import TextGenerator
+    from megatron_slmoe.model.config import VisionConfig
+    from megatron_slmoe.training.tasks.image_text import image_input
 
-    hf_dir, _ = kimi_image_text_checkpoint
+    tokenizer = load_tokenizer(hf_dir)
+    valid = ImageTextDataset(dataset_dir, tokenizer, IMAGE_TEXT_SEQ, split="val", shuffle=False,
+                             images=image_input(VisionConfig(), ImageTextConfig(), hf_dir,
+                                                tokenizer))
+    prompts = [prompt for prompt, _ in valid.generation_examples(limit)]
+    hf = open_hf_checkpoint(hf_dir)
+    model, _ = build_model_in_layout(hf.model_config, build=hf_model_builder(hf))
+    load_hf_weights([model], hf_dir, hf)
+    answers = TextGenerator(model, tokenizer.eos_id, VOCAB).generate(prompts, new_tokens)
+    return answers, prompts, tokenizer.eos_id
+
+
+def test_kimi_k25_answers_image_questions_as_transformers_does(kimi_image_text_checkpoint,
+                                                               tmp_path):
+    """Held-out answers of a checkpoint's own tower (prompts with one placeholder per image
+    token, the images entering the KV cache with the prefill) under EP=2 equal transformers'
+    greedy ``generate`` on the same prompts and images."""
+    from megatron_slmoe.data.shapes import ensure_shapes_task
+
+    hf_dir, model = kimi_image_text_checkpoint
+    ensure_shapes_task(str(tmp_path / "shapes"))
+    results = run_ranks(_our_answers, 2, ep=2, hf_dir=str(hf_dir),
+                        dataset_dir=str(tmp_path / "shapes" / "vqa"), limit=4, new_tokens=6)
+    (ours, prompts, eos), (ours_1, _, _) = results
+    assert ours == ours_1 and len(ours) == 4
+    assert sum(len(answer) for answer in ours) > 4  # tokens to compare, not only end-of-turns
+    for prompt, answer in zip(prompts, ours):
+        assert prompt.image_grid_thw is not None and prompt.images.shape[0] > 0
+        input_ids = torch.tensor([prompt.tokens])
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, pixel_values=prompt.images,
+                                 image_grid_thw=prompt.image_grid_thw, max_new_tokens=6,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        theirs = out[0, input_ids.shape[1]:].tolist()
+        theirs = theirs[:theirs.index(eos)] if eos in theirs else theirs
+        assert answer == theirs
+
+
+def _without_processor_config(hf_dir: Path, tmp_path: Path) -> Path:
     bare = tmp_path / "no-processor"
     shutil.copytree(hf_dir, bare)
     (bare / "preprocessor_config.json").unlink()
-    assert main([*_args(bare, tmp_path / "run"), "--task", "image-text",
-                 "--validate-only"]) == 2
+    return bare
+
+
+def _without_media_tokens(hf_dir: Path, tmp_path: Path) -> Path:
+    plain = tmp_path / "plain-tokenizer"
+    shutil.copytree(hf_dir, plain)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (plain / name).unlink()
+    hf_models.save_chatml_tokenizer(plain)
+    return plain
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no processor settings", "preprocessor_config.json: missing"),
+    ("tokenizer without media tokens", "renders 0 tokens of config.json's image_token_id"),
+    ("our tower's flags", "--img-h is a setting of our own multimodal model"),
+    ("a language model", "qwen3_moe checkpoint has no image input"),
+])
+def test_kimi_k25_image_text_refusals_in_one_line(kimi_image_text_checkpoint, checkpoint,
+                                                  tmp_path, capsys, case, message):
+    from megatron_slmoe.training.finetune import main
+
+    hf_dir, extra = kimi_image_text_checkpoint[0], []
+    if case == "no processor settings":
+        hf_dir = _without_processor_config(hf_dir, tmp_path)
+    elif case == "tokenizer without media tokens":
+        hf_dir = _without_media_tokens(hf_dir, tmp_path)
+    elif case == "our tower's flags":
+        extra = ["--img-h", "64"]
+    else:
+        hf_dir = checkpoint[0]
+    args = _args(hf_dir, tmp_path / "run", "--task", "image-text", "--validate-only", *extra)
+    assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "preprocessor_config.json: missing" in err[0], err
+    assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def _blank_image_gradients(hf_dir: str):
+    """This rank's tower with LoRA on its attention, in training: a micro-batch without images
+    still gives every adapter of the tower a gradient (zero), as Megatron's DDP waits for."""
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+    from megatron_slmoe.hf.tower_model import hf_model_builder
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import inject_lora
+
+    hf = open_hf_checkpoint(hf_dir)
+    model, _ = build_model_in_layout(hf.model_config, build=hf_model_builder(hf))
+    load_hf_weights([model], hf_dir, hf)
+    inject_lora([model], LoRAConfig(rank=2, targets=["linear_qkv", "vision_attention"]))
+    model.train()
+    tokens = torch.randint(0, 100, (2, IMAGE_TEXT_SEQ))
+    positions = torch.arange(IMAGE_TEXT_SEQ).expand(2, -1)
+    empty = dict(pixel_values=torch.zeros(0, 3, 14, 14), image_grid_thw=torch.zeros(0, 3))
+    results = {}
+    for name, images in (("none", {}), ("empty", empty)):
+        model.zero_grad(set_to_none=True)
+        model.embed(tokens, positions, **images).sum().backward()
+        tower = {n: p for n, p in model.vision.named_parameters() if p.requires_grad}
+        results[name] = (len(tower), all(p.grad is not None and not p.grad.any()
+                                         for p in tower.values()))
+    return results
+
+
+def test_kimi_k25_tower_keeps_gradients_without_images(kimi_image_text_checkpoint):
+    hf_dir, _ = kimi_image_text_checkpoint
+    results = run_ranks(_blank_image_gradients, 2, ep=2, hf_dir=str(hf_dir))
+    for result in results:
+        assert result["none"][0] > 0 and result["none"] == result["empty"] == (
+            result["none"][0], True)
 
 
 def _transformers_held_out_loss(hf_dir: Path, model) -> float:

@@ -91,13 +91,32 @@ def test_settings_from_preprocessor_config(tmp_path):
                        ({"do_normalize": False}, "do_normalize"),
                        ({"resample": 2}, "resample")):
         path = tmp_path / "bad.json"
-        path.write_text(json.dumps(bad))
+        path.write_text(json.dumps({"merge_size": 2, **bad}))
         with pytest.raises(DataError) as err:
             NativeResolutionConfig.from_preprocessor_config(str(path))
         message = str(err.value)
         assert "\n" not in message and str(path) in message and field in message, message
     with pytest.raises(DataError, match="missing"):
         NativeResolutionConfig.from_preprocessor_config(str(tmp_path / "none.json"))
+
+
+def test_settings_in_the_published_layout(tmp_path):
+    """The published checkpoints nest their settings under ``media_proc_cfg`` with their own
+    names; they mean the same as transformers' (the reference's side-limit setting, here)."""
+    path = tmp_path / "preprocessor_config.json"
+    path.write_text(json.dumps({"media_proc_cfg": {
+        "in_patch_limit": 1000, "patch_limit_on_one_side": 6, "patch_size": 14,
+        "merge_kernel_size": [2, 2], "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "fixed_output_tokens": None, "temporal_merge_kernel_size": 4}}))
+    assert NativeResolutionConfig.from_preprocessor_config(str(path)) == _config(
+        {"max_patches": 1000, "size": {"max_height": 6, "max_width": 6}}, tmp_path)
+    for bad, field in (({"media_proc_cfg": {"fixed_output_tokens": 64}}, "fixed_output_tokens"),
+                       ({"media_proc_cfg": {"merge_kernel_size": [2, 3]}}, "merge_kernel_size"),
+                       ({"image_processor_type": "CLIPImageProcessor", "crop_size": 224},
+                        "media_proc_cfg")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(DataError, match=field):
+            NativeResolutionConfig.from_preprocessor_config(str(path))
 
 
 def test_placeholders_become_one_token_per_merged_patch(reference):

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from megatron_slmoe.data.config import DataConfig, ImageTextConfig
+from megatron_slmoe.data.config import IMAGE_TOKEN, DataConfig, ImageTextConfig
 from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.image import ImagePreprocessConfig
 from megatron_slmoe.data.scoring import exact_match
@@ -44,13 +44,20 @@ from megatron_slmoe.training.tasks.base import Answers, Task, masked_mean_loss, 
 def forward_step(device: torch.device, data_iterator, model):
     """Megatron ``forward_step_func`` for image-text micro-batches (bind ``device`` with partial):
     the model's per-token loss and the masked-mean loss function over the combined sequence."""
-    batch = to_device(next(data_iterator), device)
+    batch = next(data_iterator)
     if "pixel_values" in batch:  # a checkpoint's own tower: the ids hold every image position
-        tokens = batch["tokens"]
+        from megatron.core import parallel_state
+
+        # The tower is on the first pipeline stage: later stages leave the pixels on the host.
+        first = parallel_state.is_pipeline_first_stage()
+        images = {k: batch[k].to(device) if first else None
+                  for k in ("pixel_values", "image_grid_thw")}
+        text = to_device({k: batch[k] for k in ("tokens", "labels", "loss_mask")}, device)
+        tokens = text["tokens"]
         positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        output = model(tokens, positions, None, pixel_values=batch["pixel_values"],
-                       image_grid_thw=batch["image_grid_thw"], labels=batch["labels"])
-        return output, partial(masked_mean_loss, batch["loss_mask"])
+        output = model(tokens, positions, None, labels=text["labels"], **images)
+        return output, partial(masked_mean_loss, text["loss_mask"])
+    batch = to_device(batch, device)
     output, loss_mask = model(batch["images"], batch["tokens"], None, None,
                               labels=batch["labels"], loss_mask=batch["loss_mask"],
                               num_image_tiles=batch["num_image_tiles"])
@@ -68,26 +75,31 @@ def image_input(vision: VisionConfig, settings: ImageTextConfig, hf_checkpoint: 
     if not hf_checkpoint:
         return TiledImages(ImagePreprocessConfig.from_sections(vision, settings),
                            vision.image_token_index, vision.num_image_embeddings)
-    import re
-
+    from megatron_slmoe.data.instruction import render_chat
     from megatron_slmoe.data.native_resolution import NativeResolutionConfig
     from megatron_slmoe.hf.checkpoint import HFCheckpoint
     from megatron_slmoe.hf.mappings import family_for
 
     checkpoint = HFCheckpoint.open(hf_checkpoint)
     family = family_for(checkpoint.config, checkpoint.config_path)
-    if not family.multimodal:
-        raise DataError(f"{hf_checkpoint}: a {family.name} checkpoint has no vision tower (its "
-                        f"language model fine-tunes with --task text)")
+    if not family.multimodal or not family.image_text:
+        raise DataError(f"{hf_checkpoint}: a {family.name} checkpoint has no image input here "
+                        f"(its language model fine-tunes with --task text)")
     image_token_id = family.hf_config(checkpoint.config_path).image_token_id
-    for token in re.findall(r"<\|[^|]+\|>", family.image_text):
-        found = tokenizer.token_to_id(token)  # DataError when the vocabulary lacks it
-        if token == family.image_token and found != image_token_id:
-            raise DataError(f"{tokenizer.path}: {token} is id {found}, {checkpoint.config_path} "
-                            f"says image_token_id {image_token_id}")
     config = NativeResolutionConfig.from_preprocessor_config(
         os.path.join(hf_checkpoint, "preprocessor_config.json"))
-    return NativeResolutionImages(config, family.image_token, image_token_id, family.image_text)
+    images = NativeResolutionImages(config, family.image_token, image_token_id, family.image_text)
+    # One image in the checkpoint's chat template must give one placeholder with config.json's
+    # id (else every record would be skipped as an image count mismatch).
+    probe = images.messages([{"role": "user", "content": IMAGE_TOKEN},
+                             {"role": "assistant", "content": "."}])
+    found = render_chat(tokenizer, probe)[0].count(image_token_id)
+    if found != 1:
+        raise DataError(f"{tokenizer.path}: a conversation with one image renders {found} "
+                        f"tokens of config.json's image_token_id {image_token_id}, not 1 (the "
+                        f"tokenizer needs {family.image_token} as a special token with that id "
+                        f"and a chat template)")
+    return images
 
 
 class ImageTextTask(Task):
@@ -119,7 +131,14 @@ class ImageTextTask(Task):
 
     def after_base_weights(self, model) -> None:
         """The tower's weights from ``--vision-checkpoint``, if given; a pipeline stage without
-        the tower has nothing to load."""
+        the tower has nothing to load. A checkpoint's own tower came with its weights; a full
+        fine-tune freezes it as it freezes ours (``build_model``)."""
+        if self.hf_checkpoint:
+            vision = getattr(model, "vision", None)
+            if (vision is not None and self.finetune_mode == "full"
+                    and not self.settings.train_vision_tower):
+                vision.requires_grad_(False)
+            return
         if self.vision.checkpoint:
             from megatron_slmoe.model.hf_vision import load_hf_vision_tower
 
@@ -174,8 +193,8 @@ class ImageTextTask(Task):
         """Greedy answers to the first ``eval_answers`` held-out questions (None when switched
         off or for captioning data: a caption is no single answer to match)."""
         limit = self.settings.eval_answers
-        if limit == 0 or self.valid.captioning or self.hf_checkpoint:
-            return None  # (a checkpoint's own tower: the generator's image path is LLaVAModel's)
+        if limit == 0 or self.valid.captioning:
+            return None
         examples = self.valid.generation_examples(limit)
         if not examples:
             return None
