@@ -85,6 +85,8 @@ REASONS = ("undecodable image", "image count mismatch", "path escapes dataset",
            "malformed record", "too long")
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff")
 DEFAULT_CAPTION_PROMPT = f"{IMAGE_TOKEN}\nDescribe the image."
+READ_AHEAD = 256
+"""Samples whose shards are fetched ahead of the reader when the dataset is on object storage."""
 
 
 class BadSample(ValueError):
@@ -220,9 +222,16 @@ class _JsonPartsDecoder:
         return {"decoder": type(self).__name__}
 
 
-def open_energon_split(path: str, split: str):
+def energon_metadata(name: str) -> bool:
+    """Whether a file of an energon dataset is needed to open it (everything but the tar shards:
+    ``.nv-meta/*`` and the tar indices), as a ``StoredFolder`` fetches them first."""
+    return not name.endswith(".tar")
+
+
+def open_energon_split(path: str, split: str, stored=None):
     """(factory, reader) of one split of an energon dataset: the factory ``dataset.yaml`` names and
-    energon's random-access reader over the split's shards. One DataError line if it is unusable."""
+    energon's random-access reader over the split's shards. One DataError line if it is unusable.
+    ``stored``: the dataset's ``StoredFolder`` when its shards come from object storage as read."""
     from megatron.energon import WorkerConfig
     from megatron.energon.dataset_config import get_dataset_from_config
     from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
@@ -240,20 +249,27 @@ def open_energon_split(path: str, split: str):
                         f"{reason}") from None
     if not getattr(factory, "shards", None):
         raise DataError(f"{path}: split {split!r} has no shards")
-    _check_shards(path, factory.shards)
+    _check_shards(path, factory.shards, stored)
     reader = ShardInfosITarReader(factory.path, factory.shards, part_filter=factory.part_filter,
                                   sample_filter=factory.sample_filter)
     return factory, reader
 
 
-def _check_shards(path: str, shards) -> None:
+def shard_name(path: str, shard) -> str:
+    """A shard's file name relative to the dataset folder, ``/``-separated."""
+    return os.path.relpath(str(shard.path), path).replace(os.sep, "/")
+
+
+def _check_shards(path: str, shards, stored=None) -> None:
     """Every shard is there and whole: its tar index (written when the dataset was prepared)
-    ends within the file. One DataError line naming the shard."""
+    ends within the file (for a shard still on the object store: within the object). One
+    DataError line naming the shard."""
     from megatron.energon.flavors.webdataset.itar import TarIndexReader
 
     for shard in shards:
         tar = str(shard.path)
-        if not os.path.isfile(tar):
+        remote = stored is not None and shard_name(path, shard) in stored.lazy
+        if not remote and not os.path.isfile(tar):
             raise DataError(f"{path}: shard {shard.name} is missing")
         try:
             with TarIndexReader(tar) as index:
@@ -261,7 +277,7 @@ def _check_shards(path: str, shards) -> None:
         except (OSError, IndexError, struct.error) as err:
             raise DataError(f"{path}: shard {shard.name} has no readable index ({err}; prepare "
                             f"the dataset again)") from None
-        size = os.path.getsize(tar)
+        size = stored.size(shard_name(path, shard)) if remote else os.path.getsize(tar)
         if end > size:
             raise DataError(f"{path}: shard {shard.name} is truncated: its index reaches byte "
                             f"{end}, the file has {size} (an incomplete copy?)")
@@ -283,15 +299,20 @@ class ImageTextDataset(torch.utils.data.Dataset):
         caption_prompt: the user turn of captioning samples.
         seed: order of the records; num_samples: length (default one epoch); shuffle: False keeps
             the split's order; max_warnings: bad-record warnings logged.
+        stored: the dataset as a ``storage.StoredFolder`` (``path`` is its local directory) when
+            it is on object storage: a shard is fetched when a sample of it is read, and the
+            shards of the next ``READ_AHEAD`` samples in the background.
     """
 
     def __init__(self, path: str, tokenizer: Tokenizer, seq_length: int, *, images,
                  split: str = "train",
                  caption_prompt: str = DEFAULT_CAPTION_PROMPT, seed: int = 1234,
-                 num_samples: Optional[int] = None, shuffle: bool = True, max_warnings: int = 20):
+                 num_samples: Optional[int] = None, shuffle: bool = True, max_warnings: int = 20,
+                 stored=None):
         super().__init__()
         self.path, self.split = os.fspath(path), split
-        self.factory, self._reader = open_energon_split(self.path, split)
+        self.stored = stored
+        self.factory, self._reader = open_energon_split(self.path, split, stored)
         self._reader_pid = os.getpid()
         self.records = len(self._reader)
         if self.records == 0:
@@ -357,6 +378,10 @@ class ImageTextDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
         if not 0 <= idx < self.num_samples:
             raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
+        if self.stored is not None:
+            ahead = range(idx + 1, min(idx + 1 + READ_AHEAD, self.num_samples))
+            self.stored.prefetch(dict.fromkeys(self._shard_of(self.record_index(i))
+                                               for i in ahead))
         for offset in range(self.records):
             sample = self._try(self.record_index(idx + offset))
             if sample is not None:
@@ -376,9 +401,23 @@ class ImageTextDataset(torch.utils.data.Dataset):
             self._skip(record, err)
             return None
 
+    def _shard_of(self, record: int) -> str:
+        """The name of the shard that holds ``record`` (relative to the dataset folder)."""
+        from bisect import bisect_right
+
+        reader = self._reader
+        shard = reader.shard_infos[bisect_right(reader.shard_count_cumsum, record) - 1]
+        return shard_name(self.path, shard)
+
+    def _raw(self, record: int):
+        """Energon's raw sample ``record``, its shard fetched first when it is on the store."""
+        if self.stored is not None:
+            self.stored.path(self._shard_of(record))
+        return self.reader[record]
+
     def _read(self, record: int):
         try:
-            raw = self.reader[record]
+            raw = self._raw(record)
         except Exception as err:  # noqa: BLE001  (a damaged tar: energon and tarfile errors)
             reason = " ".join(str(err).split())[:200] or type(err).__name__
             raise DataError(f"{self.path} [{self.split}]: {self._where(record)} cannot be read "
@@ -460,7 +499,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         shard_idx = bisect_right(reader.shard_count_cumsum, record) - 1
         shard = reader.shard_infos[shard_idx]
         try:
-            raw = reader[record]
+            raw = self._raw(record)
             key = raw["__key__"] if raw is not None else "?"
         except Exception:  # the tar itself is damaged
             key = f"#{record - reader.shard_count_cumsum[shard_idx]}"

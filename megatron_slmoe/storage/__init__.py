@@ -16,6 +16,7 @@ Modules (one job each):
     errors     one-line errors naming the URL, never a credential (masked by utils.redact)
     cache      ``NodeCache``: one verified download per node, LRU-bounded, crash-safe
     prefetch   ``ShardPrefetcher``: the next shards downloaded ahead of the reader
+    stored_folder  ``StoredFolder``: a prefix as a folder, its bulk fetched as it is read
     transfer   directories to/from the store (manifest last), ``OutputMirror`` for a run's outputs
     preflight  the start-up check: every URL readable or writable, before any process group
                forms (``training/inputs.py`` runs it)

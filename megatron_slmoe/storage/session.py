@@ -10,7 +10,7 @@ Every method takes local paths too and gives them back unchanged, so callers nee
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from megatron_slmoe.storage.config import StorageConfig
 from megatron_slmoe.storage.cache import NodeCache, default_cache_dir
@@ -18,6 +18,7 @@ from megatron_slmoe.storage.client import ObjectStore
 from megatron_slmoe.storage.errors import CacheError, ObjectNotFoundError
 from megatron_slmoe.storage.prefetch import ShardPrefetcher
 from megatron_slmoe.storage.retry import RetryPolicy
+from megatron_slmoe.storage.stored_folder import StoredFolder
 from megatron_slmoe.storage.transfer import OutputMirror
 from megatron_slmoe.storage.urls import ObjectURL, is_object_url, parse_url
 
@@ -86,6 +87,11 @@ class Storage:
             directory, _ = self.cache.fetch_prefix(path)
             return directory
         return os.fspath(path)
+
+    def stored_folder(self, url: PathOrURL, eager: Callable[[str], bool]) -> StoredFolder:
+        """The objects under ``url`` as a folder on this node: those ``eager`` selects by name
+        now, the others as they are read (``--prefetch-shards`` downloads at a time)."""
+        return StoredFolder(self.cache, url, eager, self.config.prefetch_shards)
 
     def local_shards(self, path: PathOrURL, suffix: str) -> list[str]:
         """Local paths of a data setting: a local file or one object -> its one path; a URL ending

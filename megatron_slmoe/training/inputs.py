@@ -199,32 +199,29 @@ def _check_image_text_data(run: RunConfig, tokenizer) -> None:
         raise ConfigError(f"--task image-text: {err}") from None
     if not data.train_data:
         return  # the shapes task, made by the run itself
-    for flag, path, split in (("--train-data", data.train_data, "train"),
-                              ("--valid-data", data.valid_data or data.train_data, "val")):
-        if is_object_url(path):
-            # Into the node cache now (the download the run needs anyway), then as a folder.
-            path = _node_copy_of_dataset(run, flag, path)
-        try:
-            ImageTextDataset(path, tokenizer, data.seq_length, split=split, images=images,
-                             caption_prompt=run.image_text.caption_prompt, max_warnings=0)
-        except DataError as err:
-            raise ConfigError(f"{flag}: {err}") from None
-
-
-def _node_copy_of_dataset(run: RunConfig, flag: str, url: str) -> str:
-    """The node's copy of an energon dataset under ``url`` (every object under the prefix,
-    through the node cache), checked to be an energon dataset folder."""
     from megatron_slmoe.storage.errors import StorageError
     from megatron_slmoe.storage.session import Storage
+    from megatron_slmoe.training.tasks.image_text import node_view
 
-    try:
-        path = Storage(run.storage).local_dir(url)
-    except StorageError as err:
-        raise ConfigError(f"{flag}: {err}") from None
-    if not os.path.isdir(os.path.join(path, ".nv-meta")):
-        raise ConfigError(f"{flag} {url}: not an energon dataset (no .nv-meta/ under the prefix; "
-                          f"prepare one with tools/prepare_image_text.py and upload the folder)")
-    return path
+    storage = Storage(run.storage)
+    for flag, path, split in (("--train-data", data.train_data, "train"),
+                              ("--valid-data", data.valid_data or data.train_data, "val")):
+        try:  # on object storage: the metadata now, the first usable sample's shard (the
+            # downloads the run needs anyway, into the node cache)
+            local, stored = node_view(storage, path)
+        except StorageError as err:
+            raise ConfigError(f"{flag}: {err}") from None
+        except DataError as err:
+            raise ConfigError(f"{flag} {err}") from None
+        try:
+            ImageTextDataset(local, tokenizer, data.seq_length, split=split, images=images,
+                             caption_prompt=run.image_text.caption_prompt, max_warnings=0,
+                             stored=stored)
+        except DataError as err:
+            raise ConfigError(f"{flag}: {err}") from None
+        finally:
+            if stored is not None:
+                stored.close()
 
 
 def _check_model_fits_run(run: RunConfig, model_config) -> None:

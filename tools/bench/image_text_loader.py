@@ -18,9 +18,13 @@ Rows per dataset (one process, the way the trainer reads: sample i by random acc
   sample          ImageTextDataset[i]: read + decode + chat template + packing
   sample_w2       the same through torch's DataLoader with 2 worker processes
   object_cold     (photos) the dataset under an s3:// prefix of a local S3 server (moto), read as
-                  a run reads it: into an empty node cache, then sample by sample; download
-                  included (--no-object-store skips these two rows)
+                  a run reads it: the metadata into an empty node cache, then sample by sample,
+                  each shard fetched when first read and the next samples' shards in the
+                  background; downloads included (--no-object-store skips the object rows)
   object_warm     the same through the filled node cache
+  object_copy_all baseline: every object of the prefix into an empty cache first, then read
+                  (how runs read a stored dataset before streaming); first_s: seconds to the
+                  first sample
 
 decode_share is decode time over sample time; x_energon and x_same_work are a row's samples/s
 over energon_loader's and energon_same_work's of the same dataset (above 1: faster). Times are the best of --repeats passes.
@@ -262,15 +266,19 @@ def bench_dataset(name: str, path: str, preprocess: ImagePreprocessConfig, patch
 def bench_object_store(name: str, path: str, preprocess: ImagePreprocessConfig, patch: int,
                        args, energon_rates: dict) -> list[dict]:
     """Rows ``object_cold`` / ``object_warm``: the dataset folder uploaded under an s3:// prefix
-    of moto's S3 server on 127.0.0.1, read the way a run reads it (``Storage.local_dir``: every
-    object into the node cache, then ``ImageTextDataset`` on the copy), through an empty cache
-    and through the filled one; samples/s over the same samples, download and opening included."""
+    of moto's S3 server on 127.0.0.1, read the way a run reads it (``node_view``: the metadata
+    into the node cache, each shard when a sample of it is read, the next samples' shards in the
+    background), through an empty cache and through the filled one; and ``object_copy_all``,
+    the way runs read it before (every object into the cache first, then the folder), through an
+    empty cache. samples/s over the same samples, downloads and opening included, and the
+    seconds to the first sample."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
         __file__)))))  # the repository root: its tests/helpers run the local S3 server
     from tests.helpers.s3_server import S3TestServer
 
     from megatron_slmoe.storage.config import StorageConfig
     from megatron_slmoe.storage.session import Storage
+    from megatron_slmoe.training.tasks.image_text import node_view
 
     tokenizer = load_tokenizer(asset_path("tokenizer.json"))
     tokens_per_tile = (preprocess.img_h // patch) * (preprocess.img_w // patch)
@@ -286,26 +294,34 @@ def bench_object_store(name: str, path: str, preprocess: ImagePreprocessConfig, 
                                    f"{name}/{os.path.relpath(local, path)}")
         url = f"s3://bench-images/{name}/"
         cache = os.path.join(caches, "cache")
-        for row in ("object_cold", "object_warm"):
-            if row == "object_cold" and os.path.isdir(cache):
+        for row in ("object_copy_all", "object_cold", "object_warm"):
+            if row != "object_warm" and os.path.isdir(cache):
                 shutil.rmtree(cache)
             start = time.perf_counter()
             storage = Storage(StorageConfig(cache_dir=cache))
-            dataset = ImageTextDataset(storage.local_dir(url), tokenizer,
+            if row == "object_copy_all":
+                local, stored = storage.local_dir(url), None
+            else:
+                local, stored = node_view(storage, url)
+            dataset = ImageTextDataset(local, tokenizer,
                                        args.seq_length + preprocess.tiles_per_image
                                        * tokens_per_tile,
                                        images=TiledImages(preprocess, -200, tokens_per_tile),
-                                       shuffle=False)
+                                       shuffle=False, stored=stored)
             n = min(args.samples, dataset.records)
-            for i in range(n):
+            dataset[0]
+            first = time.perf_counter() - start
+            for i in range(1, n):
                 dataset[i]
+            if stored is not None:
+                stored.close()
             rate = n / (time.perf_counter() - start)
             rows.append({"dataset": name, "row": row, "samples": n, "samples_per_s": rate,
                          "ms_per_sample": 1e3 / rate,
                          "x_energon": rate / energon_rates["energon_loader"],
                          "x_same_work": rate / energon_rates["energon_same_work"],
                          "decode_share": None, "tile": f"{preprocess.img_h}x{preprocess.img_w}",
-                         "tiles": preprocess.tiles_per_image,
+                         "tiles": preprocess.tiles_per_image, "first_sample_s": first,
                          "bytes_from_store": server.get_bytes("/bench-images/")})
             server.reset_counts()
     return rows
@@ -313,12 +329,14 @@ def bench_object_store(name: str, path: str, preprocess: ImagePreprocessConfig, 
 
 def print_rows(rows: list[dict]) -> None:
     print(f"{'dataset':<14} {'row':<17} {'input':>9} {'tiles':>5} {'samples/s':>10} "
-          f"{'ms/sample':>10} {'x_energon':>9} {'x_same_work':>11} {'decode_share':>12}")
+          f"{'ms/sample':>10} {'x_energon':>9} {'x_same_work':>11} {'decode_share':>12} "
+          f"{'first_s':>8}")
     for r in rows:
         share = "" if r["decode_share"] is None else f"{r['decode_share']:.0%}"
+        first = f"{r['first_sample_s']:.2f}" if "first_sample_s" in r else ""
         print(f"{r['dataset']:<14} {r['row']:<17} {r['tile']:>9} {r['tiles']:>5} "
               f"{r['samples_per_s']:>10.1f} {r['ms_per_sample']:>10.2f} {r['x_energon']:>9.2f} "
-              f"{r['x_same_work']:>11.2f} {share:>12}")
+              f"{r['x_same_work']:>11.2f} {share:>12} {first:>8}")
 
 
 def parse_args(argv=None):

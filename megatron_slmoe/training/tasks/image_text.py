@@ -102,6 +102,22 @@ def image_input(vision: VisionConfig, settings: ImageTextConfig, hf_checkpoint: 
     return images
 
 
+def node_view(storage, path: str):
+    """(local folder, StoredFolder or None) of a dataset setting: a local folder as it is; one on
+    object storage as this node's view of it, its metadata fetched now and its shards as they
+    are read (each once per node, through the node cache)."""
+    from megatron_slmoe.data.image_text import energon_metadata
+    from megatron_slmoe.storage import is_object_url
+
+    if not is_object_url(path):
+        return path, None
+    stored = storage.stored_folder(path, energon_metadata)
+    if not os.path.isdir(os.path.join(stored.directory, ".nv-meta")):
+        raise DataError(f"{path}: not an energon dataset (no .nv-meta/ under the prefix; "
+                        f"prepare one with tools/prepare_image_text.py and upload the folder)")
+    return stored.directory, stored
+
+
 class ImageTextTask(Task):
     """Its sections: ``data``, ``vision``, ``image_text``, the schedule (seed, samples) and the
     fine-tuning mode (a full fine-tune freezes the tower unless ``--train-vision-tower``)."""
@@ -169,15 +185,16 @@ class ImageTextTask(Task):
         if tokenizer.vocab_size > model_config.vocab_size:
             raise DataError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
                             f"model's vocab_size {model_config.vocab_size}")
-        # A dataset on object storage: the node's copy (one download per node, node cache).
-        train_path, valid_path = (storage.local_dir(p) for p in self._paths(output_dir))
+        (train_path, train_stored), (valid_path, valid_stored) = (
+            node_view(storage, p) for p in self._paths(output_dir))
         images = image_input(self.vision, self.settings, self.hf_checkpoint, tokenizer)
         common = dict(images=images, caption_prompt=self.settings.caption_prompt,
                       seed=schedule.seed)
         train = ImageTextDataset(train_path, tokenizer, data.seq_length, split="train",
-                                 num_samples=schedule.train_samples, **common)
+                                 num_samples=schedule.train_samples, stored=train_stored,
+                                 **common)
         valid = ImageTextDataset(valid_path, tokenizer, data.seq_length, split="val",
-                                 shuffle=False, **common)
+                                 shuffle=False, stored=valid_stored, **common)
         self.train, self.valid, self.tokenizer = train, valid, tokenizer
         return train, valid, tokenizer
 

@@ -1,0 +1,104 @@
+"""An energon image-text dataset read from an S3 prefix as it is read (a real S3 server: moto's
+server mode; GET requests counted on the server's side):
+
+- opening it fetches the metadata and the tar indices, no shard;
+- a sample fetches its shard, and the shards of the next samples arrive in the background, each
+  once; the samples equal those of the same dataset read from a local folder;
+- a shard truncated on the store is refused at open, from the listing, without downloading it.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron_slmoe.data.errors import DataError
+from megatron_slmoe.data.image import ImagePreprocessConfig
+from megatron_slmoe.data.image_inputs import TiledImages
+from megatron_slmoe.data.image_text import READ_AHEAD, ImageTextDataset
+from megatron_slmoe.data.shapes import ensure_shapes_task
+from megatron_slmoe.data.assets import asset_path
+from megatron_slmoe.data.tokenizer import load_tokenizer
+from megatron_slmoe.storage import Storage
+from megatron_slmoe.storage.config import StorageConfig
+from megatron_slmoe.training.tasks.image_text import node_view
+from tests.helpers.s3_server import S3TestServer
+
+BUCKET = "image-text"
+IMAGES = TiledImages(ImagePreprocessConfig(img_h=16, img_w=16), -200, 4)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shapes")
+    ensure_shapes_task(str(folder / "s"))
+    return folder / "s" / "vqa"
+
+
+@pytest.fixture(scope="module")
+def server(shapes):
+    with S3TestServer() as server:
+        client = server.client()
+        client.create_bucket(Bucket=BUCKET)
+        for path in sorted(p for p in shapes.rglob("*") if p.is_file()):
+            client.put_object(Bucket=BUCKET, Key=f"vqa/{path.relative_to(shapes)}",
+                              Body=path.read_bytes())
+        yield server
+
+
+@pytest.fixture
+def storage(server, monkeypatch, tmp_path):
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    server.reset_counts()
+    return Storage(StorageConfig(cache_dir=str(tmp_path / "nvme"), retry_timeout_seconds=30.0))
+
+
+def _gets(server, shapes) -> dict[str, int]:
+    return {str(p.relative_to(shapes)): server.requests("GET", f"/{BUCKET}/vqa/"
+                                                         f"{p.relative_to(shapes)}")
+            for p in shapes.rglob("*") if p.is_file()}
+
+
+def _dataset(path, **kw):
+    return ImageTextDataset(str(path), load_tokenizer(asset_path("tokenizer.json")), 64,
+                            images=IMAGES, shuffle=False, **kw)
+
+
+def test_shards_arrive_as_they_are_read(server, shapes, storage):
+    local, stored = node_view(storage, f"s3://{BUCKET}/vqa/")
+    gets = _gets(server, shapes)
+    assert all(n == 1 for name, n in gets.items() if not name.endswith(".tar")), gets
+    assert not any(n for name, n in gets.items() if name.endswith(".tar")), gets
+
+    dataset = _dataset(local, stored=stored)  # opening reads the first usable sample
+    reference = _dataset(shapes)
+    samples = min(len(dataset), READ_AHEAD + 40)
+    for i in range(samples):
+        ours, theirs = dataset[i], reference[i]
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), i
+    stored.close()  # the background downloads finish
+    gets = _gets(server, shapes)
+    read = {dataset._shard_of(dataset.record_index(i))
+            for i in range(min(len(dataset), samples + READ_AHEAD))}
+    assert {name for name, n in gets.items() if name.endswith(".tar") and n} == read
+    assert all(n <= 1 for n in gets.values()), gets  # each object once for the node
+    assert not gets["val/shard-000000.tar"]  # not read, not fetched
+
+
+def test_a_truncated_shard_on_the_store_is_refused_without_downloading_it(server, shapes,
+                                                                          storage):
+    data = (shapes / "val" / "shard-000000.tar").read_bytes()
+    client = server.client()
+    prefix = "damaged/"
+    for path in (p for p in shapes.rglob("*") if p.is_file()):
+        name = str(path.relative_to(shapes))
+        body = data[: len(data) // 2] if name == "val/shard-000000.tar" else path.read_bytes()
+        client.put_object(Bucket=BUCKET, Key=prefix + name, Body=body)
+    server.reset_counts()
+    local, stored = node_view(storage, f"s3://{BUCKET}/{prefix}")
+    with pytest.raises(DataError, match="shard-000000.tar is truncated"):
+        _dataset(local, stored=stored, split="val")
+    assert server.requests("GET", f"/{BUCKET}/{prefix}val/shard-000000.tar") == 0
+    assert not os.path.exists(os.path.join(local, "val", "shard-000000.tar"))
