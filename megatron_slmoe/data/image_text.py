@@ -86,7 +86,8 @@ REASONS = ("undecodable image", "image count mismatch", "path escapes dataset",
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff")
 DEFAULT_CAPTION_PROMPT = f"{IMAGE_TOKEN}\nDescribe the image."
 READ_AHEAD = 256
-"""Samples whose shards are fetched ahead of the reader when the dataset is on object storage."""
+"""How far ahead of the reader (in samples) the next shards to fetch are looked for, when the
+dataset is on object storage (``--prefetch-shards`` of them at a time)."""
 
 
 class BadSample(ValueError):
@@ -300,8 +301,8 @@ class ImageTextDataset(torch.utils.data.Dataset):
         seed: order of the records; num_samples: length (default one epoch); shuffle: False keeps
             the split's order; max_warnings: bad-record warnings logged.
         stored: the dataset as a ``storage.StoredFolder`` (``path`` is its local directory) when
-            it is on object storage: a shard is fetched when a sample of it is read, and the
-            shards of the next ``READ_AHEAD`` samples in the background.
+            it is on object storage: a shard is fetched when a sample of it is read, and the next
+            shards the reader will need (within ``READ_AHEAD`` samples) in the background.
     """
 
     def __init__(self, path: str, tokenizer: Tokenizer, seq_length: int, *, images,
@@ -312,6 +313,8 @@ class ImageTextDataset(torch.utils.data.Dataset):
         super().__init__()
         self.path, self.split = os.fspath(path), split
         self.stored = stored
+        self._shard_names: Optional[List[str]] = None
+        self._offered_until = 0  # samples before it: their shards are here or on their way
         self.factory, self._reader = open_energon_split(self.path, split, stored)
         self._reader_pid = os.getpid()
         self.records = len(self._reader)
@@ -379,9 +382,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         if not 0 <= idx < self.num_samples:
             raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
         if self.stored is not None:
-            ahead = range(idx + 1, min(idx + 1 + READ_AHEAD, self.num_samples))
-            self.stored.prefetch(dict.fromkeys(self._shard_of(self.record_index(i))
-                                               for i in ahead))
+            self._fetch_ahead(idx)
         for offset in range(self.records):
             sample = self._try(self.record_index(idx + offset))
             if sample is not None:
@@ -401,13 +402,24 @@ class ImageTextDataset(torch.utils.data.Dataset):
             self._skip(record, err)
             return None
 
+    def _fetch_ahead(self, idx: int) -> None:
+        """Offer the shards of the samples after ``idx`` (up to ``READ_AHEAD``), in read order,
+        for fetching in the background; positions already offered and taken are skipped."""
+        start = max(idx + 1, self._offered_until)
+        stop = min(idx + 1 + READ_AHEAD, self.num_samples)
+        if start < stop:
+            taken = self.stored.prefetch(self._shard_of(self.record_index(i))
+                                         for i in range(start, stop))
+            self._offered_until = start + taken
+
     def _shard_of(self, record: int) -> str:
         """The name of the shard that holds ``record`` (relative to the dataset folder)."""
         from bisect import bisect_right
 
         reader = self._reader
-        shard = reader.shard_infos[bisect_right(reader.shard_count_cumsum, record) - 1]
-        return shard_name(self.path, shard)
+        if self._shard_names is None:
+            self._shard_names = [shard_name(self.path, s) for s in reader.shard_infos]
+        return self._shard_names[bisect_right(reader.shard_count_cumsum, record) - 1]
 
     def _raw(self, record: int):
         """Energon's raw sample ``record``, its shard fetched first when it is on the store."""

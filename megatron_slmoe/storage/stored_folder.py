@@ -3,8 +3,9 @@
 ``StoredFolder(cache, prefix, eager, workers)`` lists the prefix once. The objects ``eager``
 selects by name (an energon dataset's metadata and tar indices: small, and needed to open it) are
 fetched at once; the others (its tar shards: the bulk) when the reader asks for one (``path``),
-or in the background when it says which it will read next (``prefetch``). So a run starts after
-the metadata, not after the whole dataset, and reads while the shards it needs next arrive.
+or in the background when it says which it will read next (``prefetch``: at most ``workers``
+downloads at a time, so what is fetched ahead stays bounded). So a run starts after the
+metadata, not after the whole dataset, and reads while the shards it needs next arrive.
 
 Each object reaches the node once through the node cache, whichever process asks first (the
 others wait for that download or find the copy), and a copy is never half-made: a download
@@ -77,18 +78,35 @@ class StoredFolder:
         finally:
             self.wait_s += time.monotonic() - start
 
-    def prefetch(self, names: Iterable[str]) -> None:
-        """Start fetching these in the background (errors are raised by ``path``)."""
+    def prefetch(self, names: Iterable[str]) -> int:
+        """Start fetching the first of ``names`` (in the order they will be read) that the node
+        has not got or is not getting, while fewer than ``workers`` downloads run. Returns how
+        many of ``names`` are now got or coming (the caller need not offer them again); errors
+        are raised by ``path``."""
+        with self._lock:
+            running = sum(not f.done() for f in self._futures.values())
+        handled = 0
         for name in names:
-            if name in self.lazy:
+            if name in self.lazy and self._usable(name) is None:
+                if running >= self.workers:
+                    break
                 self._schedule(name)
+                running += 1
+            handled += 1
+        return handled
+
+    def _usable(self, name: str) -> Optional[Future]:
+        """The download of ``name`` under way or done with its copy still there, else None
+        (never asked, failed, or evicted since)."""
+        future = self._futures.get(name)
+        if future is not None and future.done() and (
+                future.exception() is not None or not os.path.exists(future.result())):
+            return None
+        return future
 
     def _schedule(self, name: str) -> Future:
         with self._lock:
-            future = self._futures.get(name)
-            if future is not None and future.done() and (
-                    future.exception() is not None or not os.path.exists(future.result())):
-                future = None  # failed, or evicted since: fetch again
+            future = self._usable(name)
             if future is None:
                 if self._pool is None or self._pool_pid != os.getpid():
                     self._pool = ThreadPoolExecutor(max_workers=self.workers,

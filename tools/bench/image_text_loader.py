@@ -17,7 +17,8 @@ Rows per dataset (one process, the way the trainer reads: sample i by random acc
   decode          pillow decode + resize + normalise of the images alone (from read bytes)
   sample          ImageTextDataset[i]: read + decode + chat template + packing
   sample_w2       the same through torch's DataLoader with 2 worker processes
-  object_cold     (photos) the dataset under an s3:// prefix of a local S3 server (moto), read as
+  object_cold     (photos) a larger photos dataset (--stored-records, 64 per shard) under an s3://
+                  prefix of a local S3 server (moto), its first --samples samples read as
                   a run reads it: the metadata into an empty node cache, then sample by sample,
                   each shard fetched when first read and the next samples' shards in the
                   background; downloads included (--no-object-store skips the object rows)
@@ -149,7 +150,8 @@ def _same_work_task_encoder(preprocess: ImagePreprocessConfig, tokenizer, crude:
     return SameWork()
 
 
-def make_photos(folder: str, count: int, size=(640, 480)) -> str:
+def make_photos(folder: str, count: int, size=(640, 480), per_shard: int = 256,
+                name: str = "photos") -> str:
     """An energon chat dataset of smooth-noise JPEGs (deterministic)."""
     from PIL import Image
 
@@ -166,8 +168,8 @@ def make_photos(folder: str, count: int, size=(640, 480)) -> str:
         records.append(ShardRecord({"id": str(i), "messages": [
             {"role": "user", "content": "<image>\nWhat is in this picture?"},
             {"role": "assistant", "content": "smooth coloured noise"}]}, [("jpg", out.getvalue())]))
-    path = os.path.join(folder, "photos")
-    prepare_image_text(path, {"train": records}, "chat", samples_per_shard=256)
+    path = os.path.join(folder, name)
+    prepare_image_text(path, {"train": records}, "chat", samples_per_shard=per_shard)
     return path
 
 
@@ -322,6 +324,7 @@ def bench_object_store(name: str, path: str, preprocess: ImagePreprocessConfig, 
                          "x_same_work": rate / energon_rates["energon_same_work"],
                          "decode_share": None, "tile": f"{preprocess.img_h}x{preprocess.img_w}",
                          "tiles": preprocess.tiles_per_image, "first_sample_s": first,
+                         "stored_records": dataset.records,
                          "bytes_from_store": server.get_bytes("/bench-images/")})
             server.reset_counts()
     return rows
@@ -350,10 +353,18 @@ def parse_args(argv=None):
                    help="skip the DataLoader row with worker processes")
     p.add_argument("--no-object-store", dest="object_store", action="store_false",
                    help="skip the object_cold / object_warm rows (a local S3 server)")
+    p.add_argument("--stored-records", type=int, default=None,
+                   help="records of the stored dataset of the object rows, 64 per shard "
+                        "(default 16 x --samples)")
     p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = p.parse_args(argv)
     if args.samples < 1 or args.repeats < 1:
         p.error("--samples and --repeats must be positive")
+    if args.stored_records is None:
+        args.stored_records = 16 * args.samples
+    if args.stored_records < args.samples:
+        p.error(f"--stored-records {args.stored_records} must be at least --samples "
+                f"{args.samples}")
     if args.data and not os.path.isdir(os.path.join(args.data, ".nv-meta")):
         p.error(f"--data {args.data}: not an energon dataset folder")
     return args
@@ -376,8 +387,12 @@ def main(argv=None) -> int:
         for name, path, preprocess, patch in datasets:
             rows += bench_dataset(name, path, preprocess, patch, args)
             if args.object_store and name == "photos":
+                # A stored dataset much larger than what is read, in smaller shards, as real
+                # ones are: what streaming saves over copying everything first shows.
+                stored = make_photos(folder, args.stored_records, per_shard=64,
+                                     name="photos-stored")
                 rates = {r["row"]: r["samples_per_s"] for r in rows if r["dataset"] == name}
-                rows += bench_object_store(name, path, preprocess, patch, args, rates)
+                rows += bench_object_store(name, stored, preprocess, patch, args, rates)
     print(f"# image-text loader, one process ({os.cpu_count()} CPUs visible), torch "
           f"{torch.__version__}")
     print_rows(rows)
