@@ -315,6 +315,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self.stored = stored
         self._shard_names: Optional[List[str]] = None
         self._offered_until = 0  # samples before it: their shards are here or on their way
+        self._last_read = -1
         self.factory, self._reader = open_energon_split(self.path, split, stored)
         self._reader_pid = os.getpid()
         self.records = len(self._reader)
@@ -405,6 +406,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
     def _fetch_ahead(self, idx: int) -> None:
         """Offer the shards of the samples after ``idx`` (up to ``READ_AHEAD``), in read order,
         for fetching in the background; positions already offered and taken are skipped."""
+        if idx < self._last_read:  # read again from the start (an evaluation): offer again
+            self._offered_until = 0
+        self._last_read = idx
         start = max(idx + 1, self._offered_until)
         stop = min(idx + 1 + READ_AHEAD, self.num_samples)
         if start < stop:
@@ -421,19 +425,27 @@ class ImageTextDataset(torch.utils.data.Dataset):
             self._shard_names = [shard_name(self.path, s) for s in reader.shard_infos]
         return self._shard_names[bisect_right(reader.shard_count_cumsum, record) - 1]
 
-    def _raw(self, record: int):
-        """Energon's raw sample ``record``, its shard fetched first when it is on the store."""
-        if self.stored is not None:
-            self.stored.path(self._shard_of(record))
-        return self.reader[record]
+    def _fetch_shard(self, record: int) -> None:
+        """The shard of ``record`` and its tar index on this node (fetched again if the cache
+        evicted them); a StorageError is the store's or the cache's problem, not the data's."""
+        shard = self._shard_of(record)
+        for name in (shard + ".idx", shard):
+            if self.stored.size(name) is not None:
+                self.stored.path(name)
 
     def _read(self, record: int):
-        try:
-            raw = self._raw(record)
-        except Exception as err:  # noqa: BLE001  (a damaged tar: energon and tarfile errors)
-            reason = " ".join(str(err).split())[:200] or type(err).__name__
-            raise DataError(f"{self.path} [{self.split}]: {self._where(record)} cannot be read "
-                            f"({reason}): a damaged shard") from None
+        for attempt in range(2):
+            if self.stored is not None:
+                self._fetch_shard(record)
+            try:
+                raw = self.reader[record]
+                break
+            except Exception as err:  # noqa: BLE001  (a damaged tar: energon, tarfile errors)
+                if isinstance(err, FileNotFoundError) and self.stored is not None and not attempt:
+                    continue  # the cache evicted it before energon opened it: fetch it again
+                reason = " ".join(str(err).split())[:200] or type(err).__name__
+                raise DataError(f"{self.path} [{self.split}]: {self._where(record)} cannot be "
+                                f"read ({reason}): a damaged shard") from None
         if raw is None:  # excluded by split.yaml
             raise BadSample("malformed record", "excluded by the split config")
         where = f"{raw['__shard__']}: sample {raw['__key__']!r}"
@@ -511,7 +523,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
         shard_idx = bisect_right(reader.shard_count_cumsum, record) - 1
         shard = reader.shard_infos[shard_idx]
         try:
-            raw = self._raw(record)
+            if self.stored is not None and not os.path.exists(str(shard.path)):
+                raise FileNotFoundError(shard.path)  # naming a record fetches nothing
+            raw = reader[record]
             key = raw["__key__"] if raw is not None else "?"
         except Exception:  # the tar itself is damaged
             key = f"#{record - reader.shard_count_cumsum[shard_idx]}"

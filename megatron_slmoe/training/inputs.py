@@ -14,7 +14,9 @@ Settings may name local paths or ``s3://`` / ``msc://`` URLs: local paths must e
 checked against the store (readable inputs, a writable ``--output-url``) once per node, by its
 local rank 0, so that a wrong credential, a missing bucket or key, or an unreachable endpoint
 stops the run here instead of in the middle of start-up. The contents of stored checkpoints,
-adapters and data files are not inspected here (that would mean downloading them first).
+adapters and data files are not inspected here (that would mean downloading them first), except
+a stored image-text dataset's metadata and each split's first usable sample (into the node cache,
+where the run reads them).
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ def _check_image_text_data(run: RunConfig, tokenizer) -> None:
             ImageTextDataset(local, tokenizer, data.seq_length, split=split, images=images,
                              caption_prompt=run.image_text.caption_prompt, max_warnings=0,
                              stored=stored)
-        except DataError as err:
+        except (DataError, StorageError) as err:
             raise ConfigError(f"{flag}: {err}") from None
         finally:
             if stored is not None:

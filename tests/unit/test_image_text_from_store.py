@@ -5,6 +5,9 @@ server mode; GET requests counted on the server's side):
 - a sample fetches its shard, and the next shard the reader will need arrives in the background,
   each once; shards nobody reads are not fetched; the samples equal those of the same dataset
   read from a local folder;
+- a cache too small for the dataset evicts shards and tar indices, which come back when read;
+- a shard that is gone from the store, or replaced by another size, during the run is a storage
+  error naming it (not a damaged shard, which would end the run as bad data);
 - a shard truncated on the store is refused at open, from the listing, without downloading it.
 """
 
@@ -22,6 +25,7 @@ from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.tokenizer import load_tokenizer
 from megatron_slmoe.storage import Storage
 from megatron_slmoe.storage.config import StorageConfig
+from megatron_slmoe.storage.errors import ObjectChangedError, ObjectNotFoundError
 from megatron_slmoe.training.tasks.image_text import node_view
 from tests.helpers.s3_server import S3TestServer
 
@@ -55,6 +59,14 @@ def storage(server, monkeypatch, tmp_path):
     return Storage(StorageConfig(cache_dir=str(tmp_path / "nvme"), retry_timeout_seconds=30.0))
 
 
+def _upload(server, shapes, prefix: str) -> str:
+    client = server.client()
+    for path in (p for p in shapes.rglob("*") if p.is_file()):
+        client.put_object(Bucket=BUCKET, Key=f"{prefix}{path.relative_to(shapes)}",
+                          Body=path.read_bytes())
+    return f"s3://{BUCKET}/{prefix}"
+
+
 def _gets(server, shapes) -> dict[str, int]:
     return {str(p.relative_to(shapes)): server.requests("GET", f"/{BUCKET}/vqa/"
                                                          f"{p.relative_to(shapes)}")
@@ -86,6 +98,41 @@ def test_shards_arrive_as_they_are_read(server, shapes, storage):
     fetched = {name for name, n in gets.items() if name.endswith(".tar") and n}
     assert fetched == {"train/shard-000000.tar", "train/shard-000001.tar"}, gets
     assert all(n <= 1 for n in gets.values()), gets  # each object once for the node
+
+
+def test_evicted_shards_and_indices_come_back(server, shapes, monkeypatch, tmp_path):
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    url = _upload(server, shapes, "small-cache/")
+    shard = (shapes / "train" / "shard-000000.tar").stat().st_size
+    storage = Storage(StorageConfig(cache_dir=str(tmp_path / "nvme"), retry_timeout_seconds=30.0,
+                                    cache_max_gb=1.5 * shard / 2**30, prefetch_shards=0))
+    server.reset_counts()
+    local, stored = node_view(storage, url)
+    dataset, reference = _dataset(local, stored=stored), _dataset(shapes)
+    for i in (0, 1000, 2000, 0, 1500):
+        ours, theirs = dataset[i], reference[i]
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), i
+    first = f"/{BUCKET}/small-cache/train/shard-000000.tar"
+    assert server.requests("GET", first) == 2  # evicted by shards 1 and 2, read again
+    assert server.requests("GET", first + ".idx") >= 2  # the oldest entries go first
+
+
+@pytest.mark.parametrize("change", ["deleted", "replaced"])
+def test_a_shard_changed_on_the_store_during_the_run_is_a_storage_error(server, shapes, storage,
+                                                                        change):
+    url = _upload(server, shapes, f"{change}/")
+    local, stored = node_view(storage, url)
+    dataset = _dataset(local, stored=stored)
+    key = f"{change}/train/shard-000001.tar"
+    if change == "deleted":
+        server.client().delete_object(Bucket=BUCKET, Key=key)
+    else:
+        server.client().put_object(Bucket=BUCKET, Key=key, Body=b"x" * 1024)
+    error = ObjectNotFoundError if change == "deleted" else ObjectChangedError
+    with pytest.raises(error) as err:
+        dataset[1000]
+    assert "shard-000001.tar" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_a_truncated_shard_on_the_store_is_refused_without_downloading_it(server, shapes,

@@ -185,8 +185,12 @@ class ImageTextTask(Task):
         if tokenizer.vocab_size > model_config.vocab_size:
             raise DataError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
                             f"model's vocab_size {model_config.vocab_size}")
-        (train_path, train_stored), (valid_path, valid_stored) = (
-            node_view(storage, p) for p in self._paths(output_dir))
+        paths = self._paths(output_dir)
+        views = {}  # one view of a prefix that is both the training and the held-out data
+        for path in paths:
+            if path not in views:
+                views[path] = node_view(storage, path)
+        (train_path, train_stored), (valid_path, valid_stored) = (views[p] for p in paths)
         images = image_input(self.vision, self.settings, self.hf_checkpoint, tokenizer)
         common = dict(images=images, caption_prompt=self.settings.caption_prompt,
                       seed=schedule.seed)
@@ -231,7 +235,7 @@ class ImageTextTask(Task):
         return Answers(*gather_answers(rows, correct, ctx.device))
 
     def callbacks(self) -> list[Callback]:
-        return [BadSampleCount(self)]
+        return [BadSampleCount(self), StoredDataReads(self)]
 
 
 class BadSampleCount(Callback):
@@ -259,3 +263,21 @@ class BadSampleCount(Callback):
         counts = self._counts()
         summary.update(task="image-text", bad_samples=counts)
         ctx.info(f"[finetune] bad samples skipped: {sum(counts.values())} {counts}")
+
+
+class StoredDataReads(Callback):
+    """Data read from object storage as it is read: the seconds the reader waited for shards, in
+    the summary (``shard_wait_s``); the background downloads stopped at the end."""
+
+    name = "stored_data"
+
+    def __init__(self, task: ImageTextTask) -> None:
+        self.task = task
+
+    def finish(self, ctx: RunContext, summary: dict) -> None:
+        folders = {id(d.stored): d.stored for d in (self.task.train, self.task.valid)
+                   if d is not None and d.stored is not None}
+        if folders:
+            summary["shard_wait_s"] = round(sum(f.wait_s for f in folders.values()), 3)
+            for folder in folders.values():
+                folder.close()
