@@ -307,10 +307,12 @@ def test_order_is_a_seeded_permutation_per_epoch(chat_dataset, tok):
 
 
 def _read_in_child(dataset, queue):
-    inherited = {id(f) for f in dataset._reader.itar_files_cache.values()}
+    # The inherited file objects are held, so that a new one cannot take a freed one's id().
+    inherited = list(dataset._reader.itar_files_cache.values())
     rows = [dataset[i]["tokens"].tolist() for i in range(len(dataset))]
-    own = {id(f) for f in dataset._reader.itar_files_cache.values()}
-    queue.put((len(inherited), len(own), len(inherited & own), rows))
+    own = list(dataset._reader.itar_files_cache.values())
+    shared = sum(any(o is f for f in inherited) for o in own)
+    queue.put((len(inherited), len(own), shared, rows))
 
 
 def test_a_forked_worker_reopens_the_shards(chat_dataset, tok):
