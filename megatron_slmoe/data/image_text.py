@@ -416,14 +416,17 @@ class ImageTextDataset(torch.utils.data.Dataset):
                                          for i in range(start, stop))
             self._offered_until = start + taken
 
-    def _shard_of(self, record: int) -> str:
-        """The name of the shard that holds ``record`` (relative to the dataset folder)."""
+    def _shard_index(self, record: int) -> int:
+        """The index of the shard that holds ``record`` in the split's shard list."""
         from bisect import bisect_right
 
-        reader = self._reader
+        return bisect_right(self._reader.shard_count_cumsum, record) - 1
+
+    def _shard_of(self, record: int) -> str:
+        """The name of the shard that holds ``record`` (relative to the dataset folder)."""
         if self._shard_names is None:
-            self._shard_names = [shard_name(self.path, s) for s in reader.shard_infos]
-        return self._shard_names[bisect_right(reader.shard_count_cumsum, record) - 1]
+            self._shard_names = [shard_name(self.path, s) for s in self._reader.shard_infos]
+        return self._shard_names[self._shard_index(record)]
 
     def _fetch_shard(self, record: int) -> None:
         """The shard of ``record`` and its tar index on this node (fetched again if the cache
@@ -517,10 +520,8 @@ class ImageTextDataset(torch.utils.data.Dataset):
 
     def _where(self, record: int) -> str:
         """'SHARD: sample KEY' of a record, from the index alone (it may not parse)."""
-        from bisect import bisect_right
-
         reader = self.reader
-        shard_idx = bisect_right(reader.shard_count_cumsum, record) - 1
+        shard_idx = self._shard_index(record)
         shard = reader.shard_infos[shard_idx]
         try:
             if self.stored is not None and not os.path.exists(str(shard.path)):

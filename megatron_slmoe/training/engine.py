@@ -46,12 +46,13 @@ class NonFiniteError(RuntimeError):
     replay it)."""
 
 
-def build_task(run: RunConfig) -> Task:
+def build_task(run: RunConfig, hf=None) -> Task:
+    """The run's task; ``hf``: the opened HF checkpoint the run starts from, if any."""
     if run.data.task == "image-text":
         from megatron_slmoe.training.tasks.image_text import ImageTextTask
 
         return ImageTextTask(run.data, run.vision, run.image_text, run.schedule,
-                             run.model.finetune_mode, run.model.hf_checkpoint)
+                             run.model.finetune_mode, hf)
     from megatron_slmoe.training.tasks.text import TextTask
 
     return TextTask(run.data, run.schedule)
@@ -133,7 +134,7 @@ class Engine:
             model_config, run.moe, run.model.finetune_mode,
             run.parallel.distributed_timeout_minutes)
         self.model_config = model_config
-        task = self.task = build_task(run)
+        task = self.task = build_task(run, hf)
         model, transformer_config = runtime.build_model(
             model_config, run.parallel, run.model.precision == "bf16", self.platform,
             initialize=not (run.model.base_checkpoint or run.model.hf_checkpoint),

@@ -40,12 +40,12 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     _check_object_storage(run)
     # With --hf-checkpoint: config.json, the index and every shard's header, and (unless
     # --no-hf-shape-check) every tensor's shape against config.json.
-    model_config, _ = open_model(run.model, check_shapes=run.model.hf_shape_check)
+    model_config, hf = open_model(run.model, check_shapes=run.model.hf_shape_check)
     _check_model_fits_run(run, model_config)
     tokenizer = _check_tokenizer(run, model_config)
     _check_base_checkpoint(run, model_config, tokenizer)
     _check_adapter_init(run, model_config, tokenizer)
-    _check_data(run, tokenizer)
+    _check_data(run, tokenizer, hf)
     _check_output_dir(run, platform)
     _check_output_space(run, model_config, platform)
     _check_memory(run, world_size, platform, model_config)
@@ -187,7 +187,7 @@ def _check_image_text_paths(run: RunConfig) -> None:
             raise ConfigError(f"--vision-checkpoint {vision.checkpoint}: {err}") from None
 
 
-def _check_image_text_data(run: RunConfig, tokenizer) -> None:
+def _check_image_text_data(run: RunConfig, tokenizer, hf) -> None:
     """Each split opens, its shards are whole, and it has a usable sample (the first good record
     in split order; a dataset of bad records is refused, not trained on as skips)."""
     from megatron_slmoe.data.errors import DataError
@@ -196,7 +196,7 @@ def _check_image_text_data(run: RunConfig, tokenizer) -> None:
 
     data = run.data
     try:
-        images = image_input(run.vision, run.image_text, run.model.hf_checkpoint, tokenizer)
+        images = image_input(run.vision, run.image_text, hf, tokenizer)
     except DataError as err:
         raise ConfigError(f"--task image-text: {err}") from None
     if not data.train_data:
@@ -206,22 +206,26 @@ def _check_image_text_data(run: RunConfig, tokenizer) -> None:
     from megatron_slmoe.training.tasks.image_text import node_view
 
     storage = Storage(run.storage)
-    for flag, path, split in (("--train-data", data.train_data, "train"),
-                              ("--valid-data", data.valid_data or data.train_data, "val")):
-        try:  # on object storage: the metadata now, the first usable sample's shard (the
-            # downloads the run needs anyway, into the node cache)
-            local, stored = node_view(storage, path)
-        except StorageError as err:
-            raise ConfigError(f"{flag}: {err}") from None
-        except DataError as err:
-            raise ConfigError(f"{flag} {err}") from None
-        try:
-            ImageTextDataset(local, tokenizer, data.seq_length, split=split, images=images,
-                             caption_prompt=run.image_text.caption_prompt, max_warnings=0,
-                             stored=stored)
-        except (DataError, StorageError) as err:
-            raise ConfigError(f"{flag}: {err}") from None
-        finally:
+    views = {}  # one view of a prefix that is both the training and the held-out data
+    try:
+        for flag, path, split in (("--train-data", data.train_data, "train"),
+                                  ("--valid-data", data.valid_data or data.train_data, "val")):
+            if path not in views:  # on object storage: the metadata now
+                try:
+                    views[path] = node_view(storage, path)
+                except StorageError as err:
+                    raise ConfigError(f"{flag}: {err}") from None
+                except DataError as err:
+                    raise ConfigError(f"{flag} {err}") from None
+            local, stored = views[path]
+            try:  # the first usable sample's shard: a download the run needs anyway
+                ImageTextDataset(local, tokenizer, data.seq_length, split=split, images=images,
+                                 caption_prompt=run.image_text.caption_prompt, max_warnings=0,
+                                 stored=stored)
+            except (DataError, StorageError) as err:
+                raise ConfigError(f"{flag}: {err}") from None
+    finally:
+        for _, stored in views.values():
             if stored is not None:
                 stored.close()
 
@@ -364,10 +368,10 @@ def _check_adapter_init(run: RunConfig, model_config, tokenizer) -> None:
                           f"({reason})") from None
 
 
-def _check_data(run: RunConfig, tokenizer) -> None:
+def _check_data(run: RunConfig, tokenizer, hf) -> None:
     data = run.data
     if data.task == "image-text":
-        _check_image_text_data(run, tokenizer)
+        _check_image_text_data(run, tokenizer, hf)
         return
     if data.format == "pretrain":
         if data.train_data and not is_object_url(data.train_data):

@@ -103,18 +103,13 @@ def _run_and_logits(args: list[str], adapter: str, hf_dir: str, inputs: dict):
     of the model the run trained: the checkpoint with the run's adapter, built afresh."""
 
     import megatron_slmoe
-    from megatron_slmoe.hf.convert import build_model_in_layout
-    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
-    from megatron_slmoe.hf.tower_model import hf_model_builder
     from megatron_slmoe.lora.adapter import load_adapter, read_adapter_config
     from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.training.engine import Engine
     from megatron_slmoe.training.finetune import parse
 
     assert Engine(parse(args).run, megatron_slmoe.PLATFORM).run() == 0
-    hf = open_hf_checkpoint(hf_dir)
-    model, _ = build_model_in_layout(hf.model_config, build=hf_model_builder(hf))
-    load_hf_weights([model], hf_dir, hf)
+    model, _ = hf_models.load_kimi(hf_dir)
     lora_config, _ = read_adapter_config(adapter)
     inject_lora([model], lora_config)
     load_adapter([model], adapter)
@@ -192,15 +187,12 @@ def _image_text_run(args: list[str], output: str, hf_dir: str, batch: dict):
 def _held_out_batches(hf_dir: Path, dataset_dir: Path) -> list[dict]:
     """The held-out micro-batches of the run (one global batch of the shapes questions' val
     split, in order), as the task makes them from the checkpoint's processor settings."""
-    from megatron_slmoe.data.config import ImageTextConfig
     from megatron_slmoe.data.image_text import ImageTextDataset, collate_image_text
     from megatron_slmoe.data.sampler import micro_batches
     from megatron_slmoe.data.tokenizer import load_tokenizer
-    from megatron_slmoe.model.config import VisionConfig
-    from megatron_slmoe.training.tasks.image_text import image_input
 
     tokenizer = load_tokenizer(str(hf_dir))
-    images = image_input(VisionConfig(), ImageTextConfig(), str(hf_dir), tokenizer)
+    images = hf_models.kimi_image_input(str(hf_dir), tokenizer)
     valid = ImageTextDataset(str(dataset_dir), tokenizer, IMAGE_TEXT_SEQ, images=images,
                              split="val", shuffle=False)
     return [collate_image_text([valid[i] for i in part])
@@ -306,24 +298,15 @@ def test_kimi_k25_image_text_held_out_loss_in_other_layouts(kimi_image_text_chec
 def _our_answers(hf_dir: str, dataset_dir: str, limit: int, new_tokens: int):
     """Greedy answers of the checkpoint's model (built and loaded as a run does, EP over the
     ranks) to the first held-out image questions, through the package's generator."""
-    from megatron_slmoe.data.config import ImageTextConfig
     from megatron_slmoe.data.image_text import ImageTextDataset
     from megatron_slmoe.data.tokenizer import load_tokenizer
-    from megatron_slmoe.hf.convert import build_model_in_layout
-    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
-    from megatron_slmoe.hf.tower_model import hf_model_builder
     from megatron_slmoe.inference.generator import TextGenerator
-    from megatron_slmoe.model.config import VisionConfig
-    from megatron_slmoe.training.tasks.image_text import image_input
 
     tokenizer = load_tokenizer(hf_dir)
     valid = ImageTextDataset(dataset_dir, tokenizer, IMAGE_TEXT_SEQ, split="val", shuffle=False,
-                             images=image_input(VisionConfig(), ImageTextConfig(), hf_dir,
-                                                tokenizer))
+                             images=hf_models.kimi_image_input(hf_dir, tokenizer))
     prompts = [prompt for prompt, _ in valid.generation_examples(limit)]
-    hf = open_hf_checkpoint(hf_dir)
-    model, _ = build_model_in_layout(hf.model_config, build=hf_model_builder(hf))
-    load_hf_weights([model], hf_dir, hf)
+    model, _ = hf_models.load_kimi(hf_dir)
     answers = TextGenerator(model, tokenizer.eos_id, VOCAB).generate(prompts, new_tokens)
     return answers, prompts, tokenizer.eos_id
 
@@ -399,15 +382,10 @@ def test_kimi_k25_image_text_refusals_in_one_line(kimi_image_text_checkpoint, ch
 def _blank_image_gradients(hf_dir: str):
     """This rank's tower with LoRA on its attention, in training: a micro-batch without images
     still gives every adapter of the tower a gradient (zero), as Megatron's DDP waits for."""
-    from megatron_slmoe.hf.convert import build_model_in_layout
-    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
-    from megatron_slmoe.hf.tower_model import hf_model_builder
     from megatron_slmoe.lora.config import LoRAConfig
     from megatron_slmoe.lora.inject import inject_lora
 
-    hf = open_hf_checkpoint(hf_dir)
-    model, _ = build_model_in_layout(hf.model_config, build=hf_model_builder(hf))
-    load_hf_weights([model], hf_dir, hf)
+    model, _ = hf_models.load_kimi(hf_dir)
     inject_lora([model], LoRAConfig(rank=2, targets=["linear_qkv", "vision_attention"]))
     model.train()
     tokens = torch.randint(0, 100, (2, IMAGE_TEXT_SEQ))

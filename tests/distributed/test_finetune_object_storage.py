@@ -49,9 +49,7 @@ def server(tmp_path_factory):
     with S3TestServer() as server:
         client = server.client()
         client.create_bucket(Bucket=BUCKET)
-        for path in sorted(p for p in base.rglob("*") if p.is_file()):
-            client.put_object(Bucket=BUCKET, Key=f"base/{path.relative_to(base)}",
-                              Body=path.read_bytes())
+        server.upload_folder(BUCKET, "base/", base)
         lines = (ASSETS / "digits_train.jsonl").read_text().splitlines(keepends=True)
         half = len(lines) // 2
         for key, body in [(DATA_KEYS[0], "".join(lines[:half])), (DATA_KEYS[1], "".join(lines[half:])),
@@ -130,11 +128,7 @@ def test_image_text_dataset_from_the_store(server, tmp_path, monkeypatch, capsys
 
     folder = tmp_path / "shapes"
     ensure_shapes_task(str(folder))
-    client = server.client()
-    keys = []
-    for path in sorted(p for p in (folder / "vqa").rglob("*") if p.is_file()):
-        keys.append(f"shapes/vqa/{path.relative_to(folder / 'vqa')}")
-        client.put_object(Bucket=BUCKET, Key=keys[-1], Body=path.read_bytes())
+    keys = server.upload_folder(BUCKET, "shapes/vqa/", folder / "vqa")
     assert any("/.nv-meta/" in k for k in keys) and any(k.endswith(".tar") for k in keys)
     common = ["--task", "image-text", "--finetune-mode", "full", "--eval-answers", "0",
               "--seq-length", "48", "--micro-batch-size", "2", "--global-batch-size", "4",

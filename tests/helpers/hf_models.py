@@ -364,15 +364,32 @@ def kimi_hf_logits(model, inputs: dict) -> torch.Tensor:
         return model(**inputs).logits.float()
 
 
-def kimi_import_and_run(hf_dir: str, inputs: dict):
-    """This rank's Kimi-K2.5 built from ``hf_dir`` in the current layout, loaded rank-locally;
-    its logits on ``inputs`` (None on non-last pipeline stages) and the load report."""
+def load_kimi(hf_dir: str):
+    """(model, load report): this rank's Kimi-K2.5 built from ``hf_dir`` in the current layout
+    (the run's builder), its weights read rank-locally."""
     from megatron_slmoe.hf.convert import build_model_in_layout
     from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
     from megatron_slmoe.hf.tower_model import hf_model_builder
 
     hf = open_hf_checkpoint(hf_dir, check_shapes=True)
     model, _ = build_model_in_layout(hf.model_config, build=hf_model_builder(hf))
-    report = load_hf_weights([model], hf_dir, hf)
+    return model, load_hf_weights([model], hf_dir, hf)
+
+
+def kimi_image_input(hf_dir: str, tokenizer):
+    """The image input a run makes for the checkpoint in ``hf_dir`` (its processor settings)."""
+    from megatron_slmoe.data.config import ImageTextConfig
+    from megatron_slmoe.hf.loader import open_hf_checkpoint
+    from megatron_slmoe.model.config import VisionConfig
+    from megatron_slmoe.training.tasks.image_text import image_input
+
+    return image_input(VisionConfig(), ImageTextConfig(),
+                       open_hf_checkpoint(hf_dir, check_shapes=False), tokenizer)
+
+
+def kimi_import_and_run(hf_dir: str, inputs: dict):
+    """This rank's Kimi-K2.5 built from ``hf_dir`` in the current layout, loaded rank-locally;
+    its logits on ``inputs`` (None on non-last pipeline stages) and the load report."""
+    model, report = load_kimi(hf_dir)
     extra = {k: inputs[k] for k in ("pixel_values", "image_grid_thw")}
     return megatron_logits(model, inputs["input_ids"], **extra), report

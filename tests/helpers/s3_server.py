@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 REGION = "us-east-1"
@@ -140,6 +141,15 @@ class S3TestServer:
         return boto3.client("s3", endpoint_url=self.endpoint, region_name=REGION,
                             aws_access_key_id=self.access_key_id,
                             aws_secret_access_key=self.secret_access_key)
+
+    def upload_folder(self, bucket: str, prefix: str, folder) -> list[str]:
+        """Every file under ``folder`` put as ``prefix`` + its relative path, in path order;
+        returns the keys."""
+        client, keys = self.client(), []
+        for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+            keys.append(f"{prefix}{path.relative_to(folder).as_posix()}")
+            client.put_object(Bucket=bucket, Key=keys[-1], Body=path.read_bytes())
+        return keys
 
     # -- counters ----------------------------------------------------------------------------------
 

@@ -43,11 +43,8 @@ def shapes(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(shapes):
     with S3TestServer() as server:
-        client = server.client()
-        client.create_bucket(Bucket=BUCKET)
-        for path in sorted(p for p in shapes.rglob("*") if p.is_file()):
-            client.put_object(Bucket=BUCKET, Key=f"vqa/{path.relative_to(shapes)}",
-                              Body=path.read_bytes())
+        server.client().create_bucket(Bucket=BUCKET)
+        server.upload_folder(BUCKET, "vqa/", shapes)
         yield server
 
 
@@ -60,10 +57,7 @@ def storage(server, monkeypatch, tmp_path):
 
 
 def _upload(server, shapes, prefix: str) -> str:
-    client = server.client()
-    for path in (p for p in shapes.rglob("*") if p.is_file()):
-        client.put_object(Bucket=BUCKET, Key=f"{prefix}{path.relative_to(shapes)}",
-                          Body=path.read_bytes())
+    server.upload_folder(BUCKET, prefix, shapes)
     return f"s3://{BUCKET}/{prefix}"
 
 

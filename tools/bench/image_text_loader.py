@@ -287,13 +287,8 @@ def bench_object_store(name: str, path: str, preprocess: ImagePreprocessConfig, 
     rows = []
     with S3TestServer() as server, tempfile.TemporaryDirectory() as caches:
         os.environ.update(server.env())
-        client = server.client()
-        client.create_bucket(Bucket="bench-images")
-        for root, _, files in os.walk(path):
-            for file in files:
-                local = os.path.join(root, file)
-                client.upload_file(local, "bench-images",
-                                   f"{name}/{os.path.relpath(local, path)}")
+        server.client().create_bucket(Bucket="bench-images")
+        server.upload_folder("bench-images", f"{name}/", path)
         url = f"s3://bench-images/{name}/"
         cache = os.path.join(caches, "cache")
         for row in ("object_copy_all", "object_cold", "object_warm"):

@@ -64,30 +64,27 @@ def forward_step(device: torch.device, data_iterator, model):
     return output, partial(masked_mean_loss, loss_mask)
 
 
-def image_input(vision: VisionConfig, settings: ImageTextConfig, hf_checkpoint: Optional[str],
-                tokenizer):
+def image_input(vision: VisionConfig, settings: ImageTextConfig, hf, tokenizer):
     """How the run's model takes images (``data/image_inputs.py``): LLaVAModel's tiles, or for a
-    multimodal HF checkpoint its tower's patches at each image's resolution with the
-    checkpoint's processor settings, placeholder token and image text, checked against the
-    tokenizer. One DataError line when the checkpoint and its tokenizer disagree."""
+    multimodal HF checkpoint (``hf``: the run's opened ``hf.HFModel``) its tower's patches at
+    each image's resolution with the checkpoint's processor settings, placeholder token and
+    image text, checked against the tokenizer. One DataError line when the checkpoint and its
+    tokenizer disagree."""
     from megatron_slmoe.data.image_inputs import NativeResolutionImages, TiledImages
 
-    if not hf_checkpoint:
+    if hf is None:
         return TiledImages(ImagePreprocessConfig.from_sections(vision, settings),
                            vision.image_token_index, vision.num_image_embeddings)
     from megatron_slmoe.data.instruction import render_chat
     from megatron_slmoe.data.native_resolution import NativeResolutionConfig
-    from megatron_slmoe.hf.checkpoint import HFCheckpoint
-    from megatron_slmoe.hf.mappings import family_for
 
-    checkpoint = HFCheckpoint.open(hf_checkpoint)
-    family = family_for(checkpoint.config, checkpoint.config_path)
+    checkpoint, family = hf.checkpoint, hf.family
     if not family.multimodal or not family.image_text:
-        raise DataError(f"{hf_checkpoint}: a {family.name} checkpoint has no image input here "
-                        f"(its language model fine-tunes with --task text)")
+        raise DataError(f"{checkpoint.directory}: a {family.name} checkpoint has no image input "
+                        f"here (its language model fine-tunes with --task text)")
     image_token_id = family.hf_config(checkpoint.config_path).image_token_id
     config = NativeResolutionConfig.from_preprocessor_config(
-        os.path.join(hf_checkpoint, "preprocessor_config.json"))
+        os.path.join(checkpoint.directory, "preprocessor_config.json"))
     images = NativeResolutionImages(config, family.image_token, image_token_id, family.image_text)
     # One image in the checkpoint's chat template must give one placeholder with config.json's
     # id (else every record would be skipped as an image count mismatch).
@@ -127,10 +124,10 @@ class ImageTextTask(Task):
 
     def __init__(self, data: DataConfig, vision: VisionConfig, image_text: ImageTextConfig,
                  schedule: ScheduleConfig, finetune_mode: str,
-                 hf_checkpoint: Optional[str] = None) -> None:
+                 hf=None) -> None:
         self.data, self.vision, self.settings = data, vision, image_text
         self.schedule, self.finetune_mode = schedule, finetune_mode
-        self.hf_checkpoint = hf_checkpoint
+        self.hf = hf  # the opened HF checkpoint (hf.HFModel), if the run starts from one
         self.train = self.valid = self.tokenizer = None
 
     def build_model(self, model_config, transformer_config, pre_process: bool,
@@ -149,7 +146,7 @@ class ImageTextTask(Task):
         """The tower's weights from ``--vision-checkpoint``, if given; a pipeline stage without
         the tower has nothing to load. A checkpoint's own tower came with its weights; a full
         fine-tune freezes it as it freezes ours (``build_model``)."""
-        if self.hf_checkpoint:
+        if self.hf is not None:
             vision = getattr(model, "vision", None)
             if (vision is not None and self.finetune_mode == "full"
                     and not self.settings.train_vision_tower):
@@ -191,7 +188,7 @@ class ImageTextTask(Task):
             if path not in views:
                 views[path] = node_view(storage, path)
         (train_path, train_stored), (valid_path, valid_stored) = (views[p] for p in paths)
-        images = image_input(self.vision, self.settings, self.hf_checkpoint, tokenizer)
+        images = image_input(self.vision, self.settings, self.hf, tokenizer)
         common = dict(images=images, caption_prompt=self.settings.caption_prompt,
                       seed=schedule.seed)
         train = ImageTextDataset(train_path, tokenizer, data.seq_length, split="train",
