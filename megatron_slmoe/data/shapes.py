@@ -17,7 +17,10 @@ pixel of jitter on a light background. From scenes come
 
 Chance accuracy (a uniform guess of the right kind of answer) is 1/4, 1/3, 1/4 and 1/3: about
 0.29 over the mix. The held-out questions are about scenes that occur nowhere in the training
-data (neither in the captions nor in the training questions).
+data (neither in the captions nor in the training questions): a quarter of the distinct scenes of
+each shape count is set aside for them (:func:`held_out_scenes`), so both sides keep the same mix
+of counts. (Holding out the first distinct scenes drawn instead took 40 of the 48 one-shape scenes:
+training then had almost no one-shape scene, and the held-out "1" answers failed.)
 
 Everything is drawn from ``random.Random`` seeded by ``(seed, split, index)`` (string seeds hash
 with SHA-512: the same on every machine), images are PNG and shards carry fixed tar metadata, so
@@ -33,10 +36,12 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
+import math
 import os
 import random
-from typing import Dict, List, Tuple
+from typing import Dict, FrozenSet, List, Tuple
 
 SEED = 20250301
 CANVAS = 32
@@ -51,12 +56,34 @@ QUESTION_KINDS = ("colour", "shape", "position", "count")
 Scene = Tuple[Tuple[int, str, str], ...]  # ((quadrant, colour, shape), ...) sorted by quadrant
 
 
+HELD_OUT_SHARE = 0.25  # of the distinct scenes of each count
+
+
 def make_scene(rng: random.Random) -> Scene:
     count = rng.randint(1, 3)
     quadrants = sorted(rng.sample(range(4), count))
     colours = rng.sample(sorted(COLOURS), count)
     shapes = rng.sample(SHAPES, count)
     return tuple(zip(quadrants, colours, shapes))
+
+
+def all_scenes(count: int) -> List[Scene]:
+    """Every distinct scene of ``count`` shapes, in a fixed order."""
+    return [tuple(zip(quadrants, colours, kinds))
+            for quadrants in itertools.combinations(range(4), count)
+            for colours in itertools.permutations(sorted(COLOURS), count)
+            for kinds in itertools.permutations(SHAPES, count)]
+
+
+def held_out_scenes(seed: int = SEED) -> FrozenSet[Scene]:
+    """The scenes only held-out questions show: ``HELD_OUT_SHARE`` of each count's scenes, drawn
+    by ``seed``."""
+    held_out: List[Scene] = []
+    for count in (1, 2, 3):
+        scenes = all_scenes(count)
+        _rng(seed, "held-out", count).shuffle(scenes)
+        held_out += scenes[:math.ceil(len(scenes) * HELD_OUT_SHARE)]
+    return frozenset(held_out)
 
 
 def draw_scene(scene: Scene, rng: random.Random) -> bytes:
@@ -160,9 +187,8 @@ def generate(out_dir: str, seed: int = SEED, captions: int = 3000, vqa_train: in
 
     images = os.path.join(out_dir, "images")
     os.makedirs(images, exist_ok=True)
-    held_out: set = set()
+    held_out = held_out_scenes(seed)
     records: Dict[str, List[dict]] = {"vqa_eval": [], "vqa_train": [], "captions": []}
-    # Held-out scenes first; the training scenes avoid them.
     for split, count in (("vqa_eval", vqa_eval), ("vqa_train", vqa_train),
                          ("captions", captions)):
         index = 0
@@ -170,11 +196,8 @@ def generate(out_dir: str, seed: int = SEED, captions: int = 3000, vqa_train: in
             rng = _rng(seed, split, index)
             index += 1
             scene = make_scene(rng)
-            if split == "vqa_eval":
-                if scene in held_out:
-                    continue
-                held_out.add(scene)
-            elif scene in held_out:
+            # Every count has the same share held out, so rejecting keeps the counts' mix.
+            if (scene in held_out) != (split == "vqa_eval"):
                 continue
             name = f"{split}_{len(records[split]):06d}.png"
             with open(os.path.join(images, name), "wb") as f:

@@ -2,6 +2,7 @@
 in each order, questions have one right answer that the scene determines, and a run's answers
 files are scored by question kind."""
 
+import collections
 import json
 import random
 
@@ -52,3 +53,36 @@ def test_answers_files_are_scored_by_question_kind(tmp_path):
     scores = shapes.score_answers(str(answers))
     assert scores["all"] == (6, 12)
     assert sum(t for kind, (_, t) in scores.items() if kind != "all") == 12
+
+
+def _scene_of_caption(text: str):
+    """The scene a caption describes, in any order (parsed back by its words)."""
+    parts = []
+    for part in text.split(", "):
+        (colour,) = [c for c in shapes.COLOURS if c in part]
+        (shape,) = [s for s in shapes.SHAPES if s in part]
+        (quadrant,) = [q for q, p in enumerate(shapes.POSITIONS) if part.endswith(p)]
+        parts.append((quadrant, colour, shape))
+    return tuple(sorted(parts))
+
+
+def test_held_out_scenes_are_a_quarter_of_every_count_and_never_trained_on(tmp_path):
+    held_out = shapes.held_out_scenes()
+    for count in (1, 2, 3):
+        every = shapes.all_scenes(count)
+        assert len(set(every)) == len(every)
+        mine = [s for s in held_out if len(s) == count]
+        assert len(mine) == -(-len(every) // 4) and set(mine) <= set(every)
+    assert held_out == shapes.held_out_scenes() != shapes.held_out_scenes(seed=1)
+
+    shapes.generate(str(tmp_path / "task"), captions=300, vqa_train=12, vqa_eval=60)
+    captions = json.loads((tmp_path / "task" / "captions.json").read_text())
+    scenes = [_scene_of_caption(r["conversations"][1]["value"]) for r in captions]
+    assert not set(scenes) & held_out
+    # Training sees every count about as often (it once saw almost no one-shape scene).
+    by_count = collections.Counter(len(s) for s in scenes)
+    assert all(70 <= by_count[count] <= 130 for count in (1, 2, 3)), by_count
+    questions = json.loads((tmp_path / "task" / "vqa_eval.json").read_text())
+    counts = {r["conversations"][1]["value"] for r in questions
+              if shapes.question_kind(r["conversations"][0]["value"]) == "count"}
+    assert counts == {"1", "2", "3"}
