@@ -284,6 +284,8 @@ if [ "$DEMO" = image-text ]; then
     elif [ ! -d "$demo/data" ]; then
         echo "# python -m megatron_slmoe.data.shapes --out $demo/data"
         INPUTS_PENDING=1
+    else  # its base was trained on it too: both are made again once the folder is removed
+        python -m megatron_slmoe.data.shapes --check "$demo/data" || exit 2
     fi
     if [ ! -f "$demo/base/metadata.json" ]; then
         echo "[demo] pretraining the tiny vision + language base on captions -> $demo/base"

@@ -41,7 +41,8 @@ import json
 import math
 import os
 import random
-from typing import Dict, FrozenSet, List, Tuple
+import sys
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 SEED = 20250301
 CANVAS = 32
@@ -57,6 +58,9 @@ Scene = Tuple[Tuple[int, str, str], ...]  # ((quadrant, colour, shape), ...) sor
 
 
 HELD_OUT_SHARE = 0.25  # of the distinct scenes of each count
+# Written into every generated folder; raised whenever the same seed would give other data, so a
+# folder made by an earlier version is refused instead of silently reused.
+TASK_VERSION = 2  # 2: the held-out scenes are a share of each count
 
 
 def make_scene(rng: random.Random) -> Scene:
@@ -221,7 +225,22 @@ def generate(out_dir: str, seed: int = SEED, captions: int = 3000, vqa_train: in
                             val_json=os.path.join(out_dir, "captions_val.json"))
     prepare_from_llava_json(paths["vqa"], os.path.join(out_dir, "vqa_train.json"), images,
                             kind="vqa", val_json=os.path.join(out_dir, "vqa_eval.json"))
+    with open(os.path.join(out_dir, "task_version"), "w", encoding="utf-8") as f:
+        f.write(f"{TASK_VERSION}\n")
     return paths
+
+
+def stale_reason(out_dir: str) -> Optional[str]:
+    """Why the task folder ``out_dir`` cannot be reused, or None when it is this version's."""
+    try:
+        with open(os.path.join(out_dir, "task_version"), encoding="utf-8") as f:
+            found = f.read().strip()
+    except FileNotFoundError:
+        found = "1"  # made before the version was written
+    if found != str(TASK_VERSION):
+        return (f"{out_dir} was made by version {found} of the shapes task, this is version "
+                f"{TASK_VERSION}: remove it to make it again")
+    return None
 
 
 def ensure_shapes_task(out_dir: str, seed: int = SEED) -> Dict[str, str]:
@@ -243,7 +262,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--score", nargs="+", metavar="ANSWERS",
                         help="instead: print the accuracy by question kind of runs' answers files")
+    parser.add_argument("--check", metavar="DIR",
+                        help="instead: exit 2 with the reason when DIR was made by another "
+                             "version of this task")
     args = parser.parse_args(argv)
+    if args.check:
+        reason = stale_reason(args.check)
+        if reason:
+            print(f"error: {reason}", file=sys.stderr)
+            return 2
+        return 0
     if args.score:
         for path in args.score:
             try:

@@ -86,3 +86,12 @@ def test_held_out_scenes_are_a_quarter_of_every_count_and_never_trained_on(tmp_p
     counts = {r["conversations"][1]["value"] for r in questions
               if shapes.question_kind(r["conversations"][0]["value"]) == "count"}
     assert counts == {"1", "2", "3"}
+
+
+def test_a_folder_of_an_earlier_task_version_is_refused_in_one_line(tmp_path, capsys):
+    shapes.generate(str(tmp_path / "task"), captions=4, vqa_train=4, vqa_eval=4)
+    assert shapes.main(["--check", str(tmp_path / "task")]) == 0
+    (tmp_path / "task" / "task_version").unlink()  # as folders made before versions were
+    assert shapes.main(["--check", str(tmp_path / "task")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "version 1 of the shapes task" in line and "remove it" in line
