@@ -52,6 +52,7 @@ and metrics.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -59,7 +60,7 @@ import posixpath
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -75,6 +76,7 @@ from megatron_slmoe.data.instruction import (
     render_chat,
     split_for_generation,
 )
+from megatron_slmoe.data.sampler import RankReads
 from megatron_slmoe.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -302,17 +304,21 @@ class ImageTextDataset(torch.utils.data.Dataset):
             the split's order; max_warnings: bad-record warnings logged.
         stored: the dataset as a ``storage.StoredFolder`` (``path`` is its local directory) when
             it is on object storage: a shard is fetched when a sample of it is read, and the next
-            shards the reader will need (within ``READ_AHEAD`` samples) in the background.
+            shards the reader will need (within its next ``READ_AHEAD`` samples) in the
+            background.
+        reads: the positions this process reads (``data.sampler.RankReads``: its data-parallel
+            share of each global batch), which read-ahead follows; None: every position.
     """
 
     def __init__(self, path: str, tokenizer: Tokenizer, seq_length: int, *, images,
                  split: str = "train",
                  caption_prompt: str = DEFAULT_CAPTION_PROMPT, seed: int = 1234,
                  num_samples: Optional[int] = None, shuffle: bool = True, max_warnings: int = 20,
-                 stored=None):
+                 stored=None, reads: Optional[RankReads] = None):
         super().__init__()
         self.path, self.split = os.fspath(path), split
         self.stored = stored
+        self.reads = reads
         self._shard_names: Optional[List[str]] = None
         self._offered_until = 0  # samples before it: their shards are here or on their way
         self._last_read = -1
@@ -404,17 +410,23 @@ class ImageTextDataset(torch.utils.data.Dataset):
             return None
 
     def _fetch_ahead(self, idx: int) -> None:
-        """Offer the shards of the samples after ``idx`` (up to ``READ_AHEAD``), in read order,
-        for fetching in the background; positions already offered and taken are skipped."""
+        """Offer the shards of this process's next ``READ_AHEAD`` samples after ``idx``, in read
+        order, for fetching in the background; positions already offered and taken are
+        skipped."""
         if idx < self._last_read:  # read again from the start (an evaluation): offer again
             self._offered_until = 0
         self._last_read = idx
-        start = max(idx + 1, self._offered_until)
-        stop = min(idx + 1 + READ_AHEAD, self.num_samples)
-        if start < stop:
-            taken = self.stored.prefetch(self._shard_of(self.record_index(i))
-                                         for i in range(start, stop))
-            self._offered_until = start + taken
+        if self.reads is None:
+            ahead: Iterable[int] = range(idx + 1, self.num_samples)
+        else:
+            if not self.reads.mine(idx):  # batches are not where they were thought to be
+                self.reads = self.reads.aligned_to(idx)
+            ahead = itertools.takewhile(lambda p: p < self.num_samples, self.reads.after(idx))
+        offer = [p for p in itertools.islice(ahead, READ_AHEAD) if p >= self._offered_until]
+        if offer:
+            taken = self.stored.prefetch(self._shard_of(self.record_index(p)) for p in offer)
+            if taken:
+                self._offered_until = offer[taken - 1] + 1
 
     def _shard_index(self, record: int) -> int:
         """The index of the shard that holds ``record`` in the split's shard list."""

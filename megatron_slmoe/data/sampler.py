@@ -13,6 +13,8 @@ stacks the samples of one micro batch.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Sequence
 
 import torch
@@ -61,19 +63,64 @@ class GlobalBatchSampler:
         self.consumed_samples = consumed
 
 
-def micro_batches(global_batch: range, micro_batch_size: int, data_parallel_rank: int = 0,
-                  data_parallel_size: int = 1) -> List[range]:
-    """This rank's micro batches of a global batch: its contiguous share
-    ``global_batch_size / data_parallel_size``, cut into ``micro_batch_size`` pieces."""
-    gbs = len(global_batch)
+def rank_share(global_batch: range, data_parallel_rank: int = 0,
+               data_parallel_size: int = 1) -> range:
+    """The samples of a global batch that one data-parallel rank reads: its contiguous share
+    ``global_batch_size / data_parallel_size``."""
     if data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
         raise DataError(f"bad data-parallel rank {data_parallel_rank} of {data_parallel_size}")
-    if micro_batch_size < 1 or gbs % (micro_batch_size * data_parallel_size):
+    share = len(global_batch) // data_parallel_size
+    start = global_batch.start + data_parallel_rank * share
+    return range(start, start + share)
+
+
+def micro_batches(global_batch: range, micro_batch_size: int, data_parallel_rank: int = 0,
+                  data_parallel_size: int = 1) -> List[range]:
+    """This rank's micro batches of a global batch: its :func:`rank_share`, cut into
+    ``micro_batch_size`` pieces."""
+    gbs = len(global_batch)
+    if micro_batch_size < 1 or gbs % (micro_batch_size * max(data_parallel_size, 1)):
         raise DataError(f"global batch size {gbs} is not divisible by micro batch size "
                         f"{micro_batch_size} x data-parallel size {data_parallel_size}")
-    share = gbs // data_parallel_size
-    start = global_batch.start + data_parallel_rank * share
-    return [range(s, s + micro_batch_size) for s in range(start, start + share, micro_batch_size)]
+    mine = rank_share(global_batch, data_parallel_rank, data_parallel_size)
+    return [range(s, s + micro_batch_size)
+            for s in range(mine.start, mine.stop, micro_batch_size)]
+
+
+@dataclass(frozen=True)
+class RankReads:
+    """The positions one data-parallel rank reads of a dataset: its :func:`rank_share` of each
+    global batch, the batches back to back from ``origin`` (0, or where a resumed run with
+    another global batch size went on)."""
+
+    global_batch_size: int
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
+    origin: int = 0
+
+    def mine(self, position: int) -> bool:
+        window = self._window(position)
+        return position in rank_share(window, self.data_parallel_rank, self.data_parallel_size)
+
+    def after(self, position: int) -> Iterator[int]:
+        """This rank's positions after ``position``, in order (endless)."""
+        window = self._window(position + 1)
+        while True:
+            for p in rank_share(window, self.data_parallel_rank, self.data_parallel_size):
+                if p > position:
+                    yield p
+            window = range(window.stop, window.stop + self.global_batch_size)
+
+    def aligned_to(self, position: int) -> "RankReads":
+        """These reads with ``position`` the first of this rank's share of a batch (to follow
+        a run that read ``position`` while it is none of this rank's positions)."""
+        first = rank_share(range(self.global_batch_size), self.data_parallel_rank,
+                           self.data_parallel_size).start
+        return dataclasses.replace(self, origin=(position - first) % self.global_batch_size)
+
+    def _window(self, position: int) -> range:
+        start = position - (position - self.origin) % self.global_batch_size
+        return range(start, start + self.global_batch_size)
 
 
 def collate(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:

@@ -1,8 +1,10 @@
 """Instruction data: the chat template, a loss mask that covers exactly the response tokens (checked
 against tokenizing the response text alone), packing (lengths, EOS, no example split, too-long
 examples counted), malformed records counted and warned with FILE:LINE, a missing file as a
-one-line error, deterministic order by seed, and a resumed run continuing at the same samples."""
+one-line error, deterministic order by seed, a resumed run continuing at the same samples, and
+the positions a data-parallel rank reads (which read-ahead follows)."""
 
+import itertools
 import json
 import logging
 
@@ -17,7 +19,13 @@ from megatron_slmoe.data.instruction import (InstructionDataset, InstructionStat
                                              build_generation_prompt, pack_examples, parse_record,
                                              read_instruction_jsonl, render_chat,
                                              split_for_generation)
-from megatron_slmoe.data.sampler import GlobalBatchSampler, collate, micro_batches, rank_batches
+from megatron_slmoe.data.sampler import (
+    GlobalBatchSampler,
+    RankReads,
+    collate,
+    micro_batches,
+    rank_batches,
+)
 
 SEQ = 64
 
@@ -268,6 +276,27 @@ def test_micro_batches_partition_the_global_batch():
         micro_batches(gb, 2, 4, 4)
     with pytest.raises(DataError, match="outside"):
         GlobalBatchSampler(10, 2, consumed_samples=12)
+
+
+def _positions_read(sampler, rank, dp):
+    """Every position rank ``rank`` reads, in order, as the engine cuts the batches."""
+    return [i for gb in sampler for mb in micro_batches(gb, 2, rank, dp) for i in mb]
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_rank_reads_are_the_positions_the_rank_reads(rank):
+    reads = RankReads(global_batch_size=16, data_parallel_rank=rank, data_parallel_size=4)
+    read = _positions_read(GlobalBatchSampler(96, 16), rank, 4)
+    assert all(reads.mine(p) for p in read)
+    assert sum(reads.mine(p) for p in range(96)) == len(read)
+    for i, position in enumerate(read[:-10]):
+        assert list(itertools.islice(reads.after(position), 10)) == read[i + 1:i + 11]
+    # A run resumed at 40 with global batches of 24: the first position read realigns them.
+    resumed = _positions_read(GlobalBatchSampler(136, 24, consumed_samples=40), rank, 4)
+    reads = RankReads(24, rank, 4)
+    assert not reads.mine(resumed[0])
+    aligned = reads.aligned_to(resumed[0])
+    assert list(itertools.islice(aligned.after(resumed[0]), 20)) == resumed[1:21]
 
 
 def test_rank_batches_collates(tok):

@@ -4,7 +4,7 @@ server mode; GET requests counted on the server's side):
 - opening it fetches the metadata and the tar indices, no shard;
 - a sample fetches its shard, and the next shard the reader will need arrives in the background,
   each once; shards nobody reads are not fetched; the samples equal those of the same dataset
-  read from a local folder;
+  read from a local folder; a data-parallel rank reads ahead in its own share of the batches;
 - a cache too small for the dataset evicts shards and tar indices, which come back when read;
 - a shard that is gone from the store, or replaced by another size, during the run is a storage
   error naming it (not a damaged shard, which would end the run as bad data);
@@ -20,6 +20,7 @@ from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.image import ImagePreprocessConfig
 from megatron_slmoe.data.image_inputs import TiledImages
 from megatron_slmoe.data.image_text import ImageTextDataset
+from megatron_slmoe.data.sampler import RankReads
 from megatron_slmoe.data.shapes import ensure_shapes_task
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.tokenizer import load_tokenizer
@@ -92,6 +93,20 @@ def test_shards_arrive_as_they_are_read(server, shapes, storage):
     fetched = {name for name, n in gets.items() if name.endswith(".tar") and n}
     assert fetched == {"train/shard-000000.tar", "train/shard-000001.tar"}, gets
     assert all(n <= 1 for n in gets.values()), gets  # each object once for the node
+
+
+def test_read_ahead_follows_this_ranks_share_of_each_global_batch(server, shapes, storage):
+    local, stored = node_view(storage, f"s3://{BUCKET}/vqa/")
+    # Rank 0 of 2 with global batches of 2000 reads samples 0-999 and then 2000-2999: after
+    # 990-999 (shard 0) its next samples are in shard 2; shard 1 is the other rank's.
+    dataset = _dataset(local, stored=stored, reads=RankReads(2000, 0, 2))
+    assert {dataset._shard_of(i) for i in range(2000, 2256)} == {"train/shard-000002.tar"}
+    for i in range(990, 1000):
+        dataset[i]
+    stored.close()
+    gets = _gets(server, shapes)
+    fetched = {name for name, n in gets.items() if name.endswith(".tar") and n}
+    assert fetched == {"train/shard-000000.tar", "train/shard-000002.tar"}, gets
 
 
 def test_evicted_shards_and_indices_come_back(server, shapes, monkeypatch, tmp_path):

@@ -174,7 +174,10 @@ class ImageTextTask(Task):
         return path, path
 
     def datasets(self, storage, model_config, output_dir: str):
+        from megatron.core import parallel_state
+
         from megatron_slmoe.data.image_text import ImageTextDataset
+        from megatron_slmoe.data.sampler import RankReads
         from megatron_slmoe.data.tokenizer import load_tokenizer, tokenizer_source
 
         data, schedule = self.data, self.schedule
@@ -189,8 +192,11 @@ class ImageTextTask(Task):
                 views[path] = node_view(storage, path)
         (train_path, train_stored), (valid_path, valid_stored) = (views[p] for p in paths)
         images = image_input(self.vision, self.settings, self.hf, tokenizer)
+        # Read-ahead on object storage follows this rank's share of each global batch.
+        reads = RankReads(schedule.global_batch_size, parallel_state.get_data_parallel_rank(),
+                          parallel_state.get_data_parallel_world_size())
         common = dict(images=images, caption_prompt=self.settings.caption_prompt,
-                      seed=schedule.seed)
+                      seed=schedule.seed, reads=reads)
         train = ImageTextDataset(train_path, tokenizer, data.seq_length, split="train",
                                  num_samples=schedule.train_samples, stored=train_stored,
                                  **common)
