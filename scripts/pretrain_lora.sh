@@ -278,14 +278,22 @@ if [ "$DEMO" = image-text ]; then
     # 1200 base steps: held-out caption loss 0.054 (0.10 after 600)
     base_iters=${SLMOE_DEMO_BASE_ITERS:-1200}
     lora_iters=${SLMOE_DEMO_LORA_ITERS:-1200}
+    if [ ! -d "$demo/data" ] && [ -e "$demo/base" ]; then
+        echo "error: $demo/base was trained on data that is gone: remove $demo to make both" \
+             "again" >&2
+        exit 2
+    fi
     if [ ! -d "$demo/data" ] && [ "$DRY_RUN" = 0 ]; then
         echo "[demo] generating the synthetic shapes task -> $demo/data"
         python -m megatron_slmoe.data.shapes --out "$demo/data" >/dev/null
     elif [ ! -d "$demo/data" ]; then
         echo "# python -m megatron_slmoe.data.shapes --out $demo/data"
         INPUTS_PENDING=1
-    else  # its base was trained on it too: both are made again once the folder is removed
-        python -m megatron_slmoe.data.shapes --check "$demo/data" || exit 2
+    elif ! python -m megatron_slmoe.data.shapes --check "$demo/data" 2>/dev/null; then
+        # Its base was trained on it too: both are made again once the demo folder is removed.
+        echo "error: $demo was made by an earlier version of the shapes task: remove it to make" \
+             "it again" >&2
+        exit 2
     fi
     if [ ! -f "$demo/base/metadata.json" ]; then
         echo "[demo] pretraining the tiny vision + language base on captions -> $demo/base"

@@ -52,7 +52,6 @@ and metrics.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -60,7 +59,7 @@ import posixpath
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -76,7 +75,7 @@ from megatron_slmoe.data.instruction import (
     render_chat,
     split_for_generation,
 )
-from megatron_slmoe.data.sampler import RankReads
+from megatron_slmoe.data.sampler import RankReads, ReadAhead
 from megatron_slmoe.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -318,10 +317,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         super().__init__()
         self.path, self.split = os.fspath(path), split
         self.stored = stored
-        self.reads = reads
         self._shard_names: Optional[List[str]] = None
-        self._offered_until = 0  # samples before it: their shards are here or on their way
-        self._last_read = -1
         self.factory, self._reader = open_energon_split(self.path, split, stored)
         self._reader_pid = os.getpid()
         self.records = len(self._reader)
@@ -334,6 +330,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self.caption_prompt = caption_prompt
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self.num_samples = self.records if num_samples is None else int(num_samples)
+        self._read_ahead = ReadAhead(reads, READ_AHEAD, self.num_samples)
         self.max_warnings = max_warnings
         self.stats = ImageTextStats()
         self._bad: Dict[int, str] = {}
@@ -413,20 +410,10 @@ class ImageTextDataset(torch.utils.data.Dataset):
         """Offer the shards of this process's next ``READ_AHEAD`` samples after ``idx``, in read
         order, for fetching in the background; positions already offered and taken are
         skipped."""
-        if idx < self._last_read:  # read again from the start (an evaluation): offer again
-            self._offered_until = 0
-        self._last_read = idx
-        if self.reads is None:
-            ahead: Iterable[int] = range(idx + 1, self.num_samples)
-        else:
-            if not self.reads.mine(idx):  # batches are not where they were thought to be
-                self.reads = self.reads.aligned_to(idx)
-            ahead = itertools.takewhile(lambda p: p < self.num_samples, self.reads.after(idx))
-        offer = [p for p in itertools.islice(ahead, READ_AHEAD) if p >= self._offered_until]
+        offer = self._read_ahead.offer(idx)
         if offer:
-            taken = self.stored.prefetch(self._shard_of(self.record_index(p)) for p in offer)
-            if taken:
-                self._offered_until = offer[taken - 1] + 1
+            self._read_ahead.taken(offer, self.stored.prefetch(
+                self._shard_of(self.record_index(p)) for p in offer))
 
     def _shard_index(self, record: int) -> int:
         """The index of the shard that holds ``record`` in the split's shard list."""

@@ -14,8 +14,9 @@ stacks the samples of one micro batch.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -98,6 +99,13 @@ class RankReads:
     data_parallel_size: int = 1
     origin: int = 0
 
+    def __post_init__(self):
+        rank_share(range(self.global_batch_size), self.data_parallel_rank,
+                   self.data_parallel_size)  # a bad rank is refused there
+        if self.global_batch_size % self.data_parallel_size:
+            raise DataError(f"global batch size {self.global_batch_size} is not divisible by "
+                            f"data-parallel size {self.data_parallel_size}")
+
     def mine(self, position: int) -> bool:
         window = self._window(position)
         return position in rank_share(window, self.data_parallel_rank, self.data_parallel_size)
@@ -138,3 +146,36 @@ def rank_batches(dataset, sampler: GlobalBatchSampler, micro_batch_size: int,
         yield [collate([dataset[i] for i in mb])
                for mb in micro_batches(global_batch, micro_batch_size, data_parallel_rank,
                                        data_parallel_size)]
+
+
+class ReadAhead:
+    """Which positions to offer for fetching in the background as a reader reads: its next
+    ``limit`` positions (``reads``' when given, else every position) below ``num_samples``, each
+    offered until it is taken.
+
+    A read that is none of ``reads``' positions (a resumed run with another global batch size,
+    an evaluation wrapping around its dataset) realigns the batches at it and offers afresh."""
+
+    def __init__(self, reads: Optional[RankReads], limit: int, num_samples: int):
+        self.reads, self.limit, self.num_samples = reads, int(limit), int(num_samples)
+        self._offered_until = 0  # positions before it are offered and taken (or read)
+        self._last_read = -1
+
+    def offer(self, read: int) -> List[int]:
+        """The positions to offer now that ``read`` is being read, in read order."""
+        if read < self._last_read:  # read again from the start (an evaluation): offer again
+            self._offered_until = 0
+        self._last_read = read
+        if self.reads is None:
+            ahead: Iterable[int] = range(read + 1, self.num_samples)
+        else:
+            if not self.reads.mine(read):
+                self.reads = self.reads.aligned_to(read)
+                self._offered_until = 0  # what was offered followed the old alignment
+            ahead = itertools.takewhile(lambda p: p < self.num_samples, self.reads.after(read))
+        return [p for p in itertools.islice(ahead, self.limit) if p >= self._offered_until]
+
+    def taken(self, offered: List[int], count: int) -> None:
+        """The first ``count`` of ``offered`` are fetched or on their way."""
+        if count:
+            self._offered_until = offered[count - 1] + 1

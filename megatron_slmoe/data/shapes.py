@@ -58,8 +58,9 @@ Scene = Tuple[Tuple[int, str, str], ...]  # ((quadrant, colour, shape), ...) sor
 
 
 HELD_OUT_SHARE = 0.25  # of the distinct scenes of each count
-# Written into every generated folder; raised whenever the same seed would give other data, so a
-# folder made by an earlier version is refused instead of silently reused.
+# Written into every generated folder; raised whenever the same seed would give other data, so
+# the demo refuses a folder made by an earlier version (``--check``). A run's own copy
+# (``ensure_shapes_task``) is kept as made: a resumed run reads the data it started on.
 TASK_VERSION = 2  # 2: the held-out scenes are a share of each count
 
 

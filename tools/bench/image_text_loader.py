@@ -274,8 +274,8 @@ def bench_object_store(name: str, path: str, preprocess: ImagePreprocessConfig, 
     into the node cache, each shard when a sample of it is read, the next samples' shards in the
     background), through an empty cache and through the filled one; and ``object_copy_all``,
     the way runs read it before (every object into the cache first, then the folder), through an
-    empty cache. samples/s over the same samples, downloads and opening included, and the
-    seconds to the first sample."""
+    empty cache. samples/s over samples 2..n (downloads included), and the seconds from
+    nothing open to the first sample (for object_copy_all the whole copy)."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
         __file__)))))  # the repository root: its tests/helpers run the local S3 server
     from tests.helpers.s3_server import S3TestServer
@@ -358,6 +358,9 @@ def parse_args(argv=None):
                         "(default 16 x --samples)")
     p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     args = p.parse_args(argv)
+    if args.object_store and args.samples < 2:
+        p.error("the object rows time samples 2..n: --samples must be at least 2 (or "
+                "--no-object-store)")
     if args.samples < 1 or args.repeats < 1:
         p.error("--samples and --repeats must be positive")
     if args.stored_records is None:
