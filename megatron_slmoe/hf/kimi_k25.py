@@ -8,7 +8,7 @@ only), adds a learned 64x64 position table resampled bicubically to each image's
 rotates queries and keys by 2D (row, column) rotary positions; Megatron-Core's vision models
 (CLIP, SigLIP, InternViT, RADIO ViTs under ``LLaVAModel``) have fixed image sizes, 1D learned
 positions and no 2D rotary embedding. A re-implementation would be a second copy of MoonViT to
-keep equal to transformers'; the module itself is exact by construction. The tower is ~0.4 B
+keep equal to transformers'; the module itself is exact by construction. The tower is ~0.5 B
 parameters next to a ~1 T language model, so it is replicated on the first pipeline stage rather
 than sharded, and frozen unless the run trains it.
 
@@ -89,6 +89,14 @@ class KimiK25Vision(torch.nn.Module):
                 sources += [VisionSource(hub + name[len(ours):]) for hub in hubs]
                 break
         return sources
+
+    def layer_shape(self) -> dict[str, int]:
+        """What the memory check prices per tower layer (``hf.tower_model.vision_census``)."""
+        config = self.vision_tower.config
+        merge_h, merge_w = config.merge_kernel_size
+        return {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
+                "heads": config.num_attention_heads, "ffn_hidden": config.intermediate_size,
+                "patches_per_position": merge_h * merge_w}
 
     def blank_image(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The smallest input the tower takes (one merged patch of zeros) and its grid."""

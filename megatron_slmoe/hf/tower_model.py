@@ -4,9 +4,13 @@ stage (``model.tower_language.TowerLanguageModel``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
 
+import torch
+
+from megatron_slmoe.lora.targets import kind_of, regions
 from megatron_slmoe.model.build import build_gpt_model
 from megatron_slmoe.model.tower_language import TowerLanguageModel
 
@@ -37,3 +41,36 @@ def hf_model_builder(hf) -> Optional[Callable]:
         return None
     return partial(build_tower_language_model, family=hf.family,
                    hf_config=hf.family.hf_config(hf.checkpoint.config_path))
+
+
+@dataclass(frozen=True)
+class VisionCensus:
+    """What the memory check needs of a checkpoint's vision module (``plan.vision.
+    ReplicatedTower``)."""
+
+    parameters: int
+    lora_parameters: int
+    """Of ``lora_targets`` at ``lora_rank``: A [r, in] and B [out, r] per adapted linear."""
+    layers: int
+    hidden: int
+    heads: int
+    ffn_hidden: int
+    patches_per_position: int
+
+
+def vision_census(hf, lora_targets, lora_rank: int) -> Optional[VisionCensus]:
+    """The counts of an opened checkpoint's vision module, built on the meta device (no memory,
+    no weights read); None for a language model."""
+    if hf is None or not hf.family.multimodal:
+        return None
+    with torch.device("meta"):
+        vision = hf.family.vision_module(hf.family.hf_config(hf.checkpoint.config_path))
+    wanted, adapted = set(lora_targets), 0
+    region_of = regions(vision)
+    for parent in vision.modules():
+        for attr, child in parent.named_children():
+            kind = kind_of(parent, attr, child, region_of.get(id(parent), "language"))
+            if kind is not None and wanted & set(kind.targets):
+                adapted += lora_rank * (child.in_features + child.out_features)
+    return VisionCensus(parameters=sum(p.numel() for p in vision.parameters()),
+                        lora_parameters=adapted, **vision.layer_shape())

@@ -24,7 +24,8 @@ pipeline stage (the peak rank is the largest) with
 
 An image-text run (``settings.vision``) adds its vision tower and projector to the first stage:
 weights, adapters on them, what they keep for backward and their forward working set
-(``megatron_slmoe.plan.vision``).
+(``megatron_slmoe.plan.vision``; LLaVAModel's, or a Hugging Face checkpoint's own tower, which
+is there in a text run too).
 
 What is saved for backward follows Megatron-Core's local (non-TransformerEngine) layers that
 ``megatron_slmoe.moe.specs`` builds, with frozen base weights, LoRA on the targets, unfused
@@ -49,7 +50,13 @@ from megatron_slmoe.plan.model_shape import (
     output_parameters,
 )
 from megatron_slmoe.plan.settings import DTYPES, RunSettings
-from megatron_slmoe.plan.vision import vision_activations, vision_lora_parameters, vision_weights
+from megatron_slmoe.plan.vision import (
+    ReplicatedTower,
+    tower_activations,
+    vision_activations,
+    vision_lora_parameters,
+    vision_weights,
+)
 
 _FP32 = 4
 _INT64 = 8
@@ -196,7 +203,10 @@ def _static(shape: ModelShape, settings: RunSettings, stage: int) -> dict:
     first, last = stage == 0, stage == settings.pp - 1
     if first:
         run_dtype += embedding_parameters(shape) // settings.tp
-    if first and settings.vision is not None:  # LLaVAModel's tower and projector
+    if first and isinstance(settings.vision, ReplicatedTower):  # a checkpoint's own tower
+        run_dtype += settings.vision.parameters
+        lora_dense += settings.vision.lora_parameters
+    elif first and settings.vision is not None:  # LLaVAModel's tower and projector
         w, n = vision_weights(settings.vision, shape.hidden, settings.tp)
         run_dtype, norms = run_dtype + w, norms + n
         lora_dense += vision_lora_parameters(settings.vision, shape.hidden, settings.lora_targets,
@@ -462,7 +472,13 @@ def _stage_activations(shape: ModelShape, s: RunSettings, stage: int) -> dict:
     # A decoder layer's backward starts after the output layer's, which freed the logits: the
     # loss's bytes are not held beside it (measured: tools/bench/realistic.py, README).
     events = {"backward": max(0, max(layer.backward_extra for layer in layers) - loss)}
-    if stage == 0 and s.vision is not None:
+    if stage == 0 and isinstance(s.vision, ReplicatedTower):
+        kept, working = tower_activations(
+            s.vision, s.vision.patches(s.seq_length, s.micro_batch_size), s.lora_rank,
+            s.element_size)
+        dense += kept
+        events["vision forward"] = working
+    elif stage == 0 and s.vision is not None:
         kept, working = vision_activations(s.vision, shape.hidden, s.lora_targets, s.lora_rank,
                                            s.tp, s.micro_batch_size, s.element_size)
         dense += kept

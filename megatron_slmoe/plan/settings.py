@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from megatron_slmoe.lora.config import DEFAULT_LORA_TARGETS
 from megatron_slmoe.plan._sources import LORA_TARGETS
 from megatron_slmoe.plan.model_shape import ModelShape
-from megatron_slmoe.plan.vision import VisionShape
+from megatron_slmoe.plan.vision import ReplicatedTower, VisionShape
 
 if TYPE_CHECKING:  # the planner reads a run's settings; it sits below the training package
     from megatron_slmoe.training.config import RunConfig
@@ -68,8 +68,9 @@ class RunSettings:
     """--moe-hierarchical-alltoall: inter-node hop once per destination node, then intra-node."""
     devices_per_node: int = 8
     """Ranks per node (LOCAL_WORLD_SIZE): which exchanges cross nodes."""
-    vision: Optional[VisionShape] = None
-    """--task image-text: the vision tower and projector (on the first stage); None: text."""
+    vision: Optional[Union[VisionShape, ReplicatedTower]] = None
+    """The vision tower and projector on the first stage: LLaVAModel's (--task image-text), or a
+    Hugging Face checkpoint's own (any task); None: none."""
 
     @property
     def world_size(self) -> int:
@@ -152,7 +153,7 @@ class RunSettings:
                             ("shared-expert FFN width", shape.shared_ffn or self.tp)):
             if count % self.tp:
                 return f"--tensor-model-parallel-size {self.tp} does not divide the {count} {what}"
-        if self.vision is not None:
+        if isinstance(self.vision, VisionShape):  # a replicated tower is not split
             for what, count in (("vision attention heads", self.vision.heads),
                                 ("vision FFN width", self.vision.ffn_hidden),
                                 ("projector FFN width", self.vision.projector_ffn)):
@@ -183,8 +184,10 @@ class RunSettings:
 
     @classmethod
     def from_run_config(cls, run: RunConfig, world_size: int, dtype: str,
-                        devices_per_node: Optional[int] = None) -> "RunSettings":
-        """The settings of a fine-tuning run."""
+                        devices_per_node: Optional[int] = None,
+                        hf_tower: Optional[ReplicatedTower] = None) -> "RunSettings":
+        """The settings of a fine-tuning run; ``hf_tower``: the --hf-checkpoint's own vision
+        module, when it has one."""
         parallel = run.parallel
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         granularity = parallel.recompute_granularity or "none"
@@ -198,7 +201,6 @@ class RunSettings:
             lora_rank=run.lora.rank, lora_targets=tuple(run.lora.targets),
             hierarchical_alltoall=run.moe.hierarchical_alltoall,
             devices_per_node=devices_per_node or world_size,
-            # LLaVAModel's tower; an HF checkpoint's own tower is not priced (Kimi-K2.5's
-            # ~0.4 B parameters beside ~1 T).
-            vision=(VisionShape.from_config(run.vision, run.image_text)
-                    if run.data.task == "image-text" and not run.model.hf_checkpoint else None))
+            vision=hf_tower if run.model.hf_checkpoint else (
+                VisionShape.from_config(run.vision, run.image_text)
+                if run.data.task == "image-text" else None))

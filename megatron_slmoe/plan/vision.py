@@ -11,6 +11,10 @@ the combined length), so its estimate does not change. Frozen tower and projecto
 keep nothing for backward: their input needs no gradient. LoRA on ``vision_attention`` or
 ``projector`` makes autograd keep the layers' activations, as for the language model's layers.
 
+A Hugging Face checkpoint's own vision module (``ReplicatedTower``) is priced from its counts:
+its weights whole on each first-stage rank, its adapters, and its activations at the most
+patches a micro-batch can hold.
+
 Functions take d, the language model's width (the projector's output). Symbols: h tower width,
 F tower MLP width, p patch side, P projector inner width, d language width, s tokens per tile,
 n tiles per micro-batch.
@@ -155,3 +159,58 @@ def vision_activations(v: VisionShape, d: int, targets, rank: int, tp: int,
     if "projector" in targets or "vision_attention" in targets:
         working = max(working, (h + 2 * p + d) * b * projected)
     return kept, working
+
+
+@dataclass(frozen=True)
+class ReplicatedTower:
+    """A checkpoint's own vision module (transformers' tower and projector, e.g. Kimi-K2.5's
+    MoonViT): whole on every rank of the first pipeline stage, in the run's dtype, frozen unless
+    LoRA adapts it. Its counts come from the module built on the meta device
+    (``hf.tower_model.vision_census``)."""
+
+    parameters: int
+    lora_parameters: int
+    """Adapter parameters of the run's targets on it (each rank holds them whole)."""
+    layers: int
+    hidden: int
+    heads: int
+    ffn_hidden: int
+    patches_per_position: int
+    """Patches merged into one language position (Kimi-K2.5: 2 x 2)."""
+    attention_adapted: bool = False
+    """LoRA on ``vision_attention``: backward runs through every tower layer."""
+    projector_adapted: bool = False
+
+    def patches(self, seq_length: int, micro_batch_size: int) -> int:
+        """Patches of one micro-batch at most: every position an image position. Native-
+        resolution images have no fixed size, so this ceiling is what the check can know."""
+        return micro_batch_size * seq_length * self.patches_per_position
+
+
+def tower_activations(t: ReplicatedTower, patches: int, rank: int,
+                      element_size: int) -> tuple[int, int]:
+    """(kept for backward, forward working set) of ``patches`` patches through a MoonViT-style
+    tower (pre-norm blocks, 2D rotary q/k, attention per image through SDPA: no S^2 scores) and
+    its projector (LayerNorm, 2x2 merge, linear, GELU, linear).
+
+    Kept with LoRA on the tower's attention, per layer and patch: the two LayerNorm inputs and
+    their mean and rstd (fp32), q/k/v's input (the first norm's output) and their r-wide LoRA
+    intermediates, q, k, v and the attention output (SDPA's, and its contiguous copy that the
+    output projection takes), the output projection's r-wide intermediate, the logsumexp per
+    head (fp32), the MLP activation's input; once: the final LayerNorm's and the projector
+    LayerNorm's inputs and stats, the projector GELU's input, the rotary cos and sin, the
+    position index (int64). With LoRA on the projector: its two linears' inputs and r-wide
+    intermediates (per merged position), and, alone, the GELU's input. Held equal to what
+    autograd keeps in ``tests/unit/test_plan_vision.py``. Working set: one layer's forward (its
+    input, q, k, v, the attention output, the MLP's inner activation)."""
+    b, h, f, r, m = element_size, t.hidden, t.ffn_hidden, rank, t.patches_per_position
+    per_patch = 0.0
+    if t.attention_adapted:
+        per_patch += t.layers * ((8 * h + f + 4 * r) * b + (t.heads + 4) * _FP32)
+        per_patch += (3 * h + 2 * (h // t.heads)) * b + 5 * _FP32
+        if t.projector_adapted:
+            per_patch += (2 * h + 2 * r / m) * b
+    elif t.projector_adapted:
+        per_patch += (3 * h + 2 * r / m) * b
+    working = (5 * h + f) * b * patches
+    return int(per_patch * patches), working

@@ -106,7 +106,7 @@ class Engine:
         self.ctx: Optional[RunContext] = None
         self.callbacks = Callbacks([])
         self.checkpoints = None
-        self.model_config = None
+        self.model_config = self.hf = None
         self.eval_before: Optional[float] = None
         self.eval_after: Optional[float] = None
 
@@ -133,7 +133,7 @@ class Engine:
         model_config = model_setup.model_config_for_run(
             model_config, run.moe, run.model.finetune_mode,
             run.parallel.distributed_timeout_minutes)
-        self.model_config = model_config
+        self.model_config, self.hf = model_config, hf
         task = self.task = build_task(run, hf)
         model, transformer_config = runtime.build_model(
             model_config, run.parallel, run.model.precision == "bf16", self.platform,
@@ -403,7 +403,7 @@ class Engine:
         check = None
         if self.model_config is not None:
             check = memory_check(self.run_config, torch.distributed.get_world_size(),
-                                 self.platform, self.model_config)
+                                 self.platform, self.model_config, self.hf)
         if check is None:
             return f"out of memory: {str(err).splitlines()[0]} (no device memory to plan against)"
         return format_oom_report(check, err)

@@ -48,7 +48,7 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     _check_data(run, tokenizer, hf)
     _check_output_dir(run, platform)
     _check_output_space(run, model_config, platform)
-    _check_memory(run, world_size, platform, model_config)
+    _check_memory(run, world_size, platform, model_config, hf)
     _check_base_model(run)  # last: a run with a specific problem hears of that one first
 
 
@@ -561,9 +561,26 @@ def _shown(value) -> str:
     return " ".join(value) if isinstance(value, list) else str(value)
 
 
-def memory_check(run: RunConfig, world_size: int, platform, model_config):
+def hf_tower(run: RunConfig, hf):
+    """The opened --hf-checkpoint's own vision module as the memory planner prices it (a
+    ``plan.vision.ReplicatedTower``), or None when it has none."""
+    from dataclasses import asdict
+
+    from megatron_slmoe.hf.tower_model import vision_census
+    from megatron_slmoe.plan.vision import ReplicatedTower
+
+    targets = run.lora.targets if run.model.finetune_mode == "lora" else ()
+    census = vision_census(hf, targets, run.lora.rank)
+    if census is None:
+        return None
+    return ReplicatedTower(**asdict(census), attention_adapted="vision_attention" in targets,
+                           projector_adapted="projector" in targets)
+
+
+def memory_check(run: RunConfig, world_size: int, platform, model_config, hf=None):
     """The memory planner's verdict on this run's layout (a ``plan.check.LayoutCheck``), or None
-    when there is no device memory to plan against (CPU without --device-memory-gb)."""
+    when there is no device memory to plan against (CPU without --device-memory-gb); ``hf``: the
+    opened --hf-checkpoint, whose own vision module is priced too."""
     from megatron_slmoe.plan.check import check_layout
     from megatron_slmoe.plan.settings import RunSettings
     from megatron_slmoe.runtime.model import resolve_precision
@@ -574,14 +591,15 @@ def memory_check(run: RunConfig, world_size: int, platform, model_config):
         return None
     settings = RunSettings.from_run_config(
         run, world_size, resolve_precision(run.model, platform),
-        devices_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        devices_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        hf_tower=hf_tower(run, hf))
     return check_layout(model_config, settings, int(memory))
 
 
-def _check_memory(run: RunConfig, world_size: int, platform, model_config) -> None:
+def _check_memory(run: RunConfig, world_size: int, platform, model_config, hf) -> None:
     if run.parallel.memory_check == "off":
         return
-    check = memory_check(run, world_size, platform, model_config)
+    check = memory_check(run, world_size, platform, model_config, hf)
     if check is None or check.fits:
         return
     if run.parallel.memory_check == "refuse":

@@ -1,6 +1,8 @@
 """The planner prices an image-text run's vision tower and projector: parameter and LoRA counts
 against the modules Megatron-Core builds (CLIPViTModel, MultimodalProjector inside LLaVAModel), and
-the first stage's estimate grows by exactly their weights, adapters and activations."""
+the first stage's estimate grows by exactly their weights, adapters and activations. A Hugging
+Face checkpoint's own tower (Kimi-K2.5's MoonViT and projector) likewise: its counts against
+transformers' model and PEFT's adapters, its activations against what autograd keeps."""
 
 import pytest
 
@@ -120,3 +122,115 @@ def test_vision_activations_equal_what_autograd_saves(megatron_single_rank, name
     predicted, _ = vision_activations(shape, load_shape("tiny").hidden, targets, rank=4, tp=1,
                                       micro_batch_size=micro_batch, element_size=4)
     assert predicted == saved_activation_bytes(model, forward)
+
+
+# --- a Hugging Face checkpoint's own tower (Kimi-K2.5's MoonViT and projector) ------------------
+
+KIMI_VARIANTS = {"tiny": {}, "wider": dict(num_hidden_layers=3, hidden_size=32,
+                                           num_attention_heads=4, intermediate_size=48)}
+
+
+def _kimi_config(variant: str):
+    from tests.helpers import hf_models
+
+    vision = KIMI_VARIANTS[variant]
+    config = hf_models.kimi_config(projection_hidden_size=vision.get("hidden_size", 16))
+    for name, value in vision.items():
+        setattr(config.vision_config, name, value)
+    return config
+
+
+@pytest.mark.parametrize("targets", [["vision_attention"], ["projector"], VISION_TARGETS],
+                         ids=["attention", "projector", "both"])
+def test_hf_tower_census_equals_transformers_and_peft(megatron_single_rank, tmp_path, targets):
+    """Parameters: transformers' Kimi_K25ForConditionalGeneration's tower and projector;
+    adapter parameters: PEFT's LoRA on the same linears."""
+    from peft import LoraConfig, get_peft_model
+
+    from megatron_slmoe.hf.loader import open_hf_checkpoint
+    from megatron_slmoe.hf.tower_model import vision_census
+    from tests.helpers import hf_models
+
+    model = hf_models.build_kimi()
+    hf_models.save(model, str(tmp_path / "kimi"), layout="fused")
+    census = vision_census(open_hf_checkpoint(str(tmp_path / "kimi")), targets, lora_rank=4)
+    vision = model.model.vision_tower, model.model.mm_projector
+    assert census.parameters == sum(p.numel() for m in vision for p in m.parameters())
+    patterns = {"vision_attention": r"vision_tower\..*\.attn\.(q_proj|k_proj|v_proj|proj)",
+                "projector": r"mm_projector\.(in_proj|out_proj)"}
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=r".*(" + "|".join(
+        patterns[t] for t in targets) + r")$"))
+    assert census.lora_parameters == sum(
+        p.numel() for n, p in peft.named_parameters() if "lora_" in n) > 0
+    assert (census.layers, census.hidden, census.heads, census.ffn_hidden,
+            census.patches_per_position) == (2, 16, 2, 24, 4)
+    assert vision_census(None, targets, 4) is None
+
+
+@pytest.mark.parametrize("targets", [["vision_attention"], ["projector"], VISION_TARGETS],
+                         ids=["attention", "projector", "both"])
+@pytest.mark.parametrize("variant", sorted(KIMI_VARIANTS))
+def test_hf_tower_activations_equal_what_autograd_saves(megatron_single_rank, variant, targets):
+    """Two images of different patch grids through MoonViT and the projector with LoRA on
+    ``targets``: the storages autograd keeps for backward are what the planner says."""
+    import torch
+
+    from megatron_slmoe.hf.kimi_k25 import KimiK25Vision
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import inject_lora
+    from megatron_slmoe.plan.vision import ReplicatedTower, tower_activations
+    from tests.helpers.autograd import saved_activation_bytes
+
+    torch.manual_seed(0)
+    vision = KimiK25Vision(_kimi_config(variant)).float()
+    vision.requires_grad_(False)
+    inject_lora(vision, LoRAConfig(rank=4, alpha=8.0, targets=targets))
+    grid = torch.tensor([[1, 8, 8], [1, 4, 8]])
+    patches = int(grid.prod(-1).sum())
+    pixels = torch.randn(patches, 3, 14, 14)
+    tower = ReplicatedTower(parameters=0, lora_parameters=0, **vision.layer_shape(),
+                            attention_adapted="vision_attention" in targets,
+                            projector_adapted="projector" in targets)
+    predicted, _ = tower_activations(tower, patches, rank=4, element_size=4)
+    assert predicted == saved_activation_bytes(vision, lambda: vision(pixels, grid))
+
+
+def test_first_stage_carries_an_hf_checkpoints_tower():
+    from megatron_slmoe.plan.vision import ReplicatedTower, tower_activations
+
+    lm = load_shape("tiny")
+    text = RunSettings(pp=2, micro_batch_size=2, **TINY_FP32)
+    tower = ReplicatedTower(parameters=10_000, lora_parameters=500, layers=2, hidden=16,
+                            heads=2, ffn_hidden=24, patches_per_position=4,
+                            attention_adapted=True)
+    plain, with_tower = (estimate_memory(lm, s, CPU).stages
+                         for s in (text, text.replace(vision=tower)))
+    assert with_tower[0].weights - plain[0].weights == 4 * 10_000  # fp32, whole on the stage
+    assert with_tower[0].trainable_params - plain[0].trainable_params == 500
+    assert with_tower[1] == plain[1]  # the last stage has no tower
+    kept, _ = tower_activations(tower, tower.patches(64, 2), 8, 4)
+    assert kept > 0 and with_tower[0].activations > plain[0].activations
+    assert text.replace(vision=tower, tp=2).layout_error(lm) is None  # replicated: not split
+
+
+def test_the_start_up_check_prices_the_checkpoints_tower(megatron_single_rank, tmp_path):
+    import megatron_slmoe
+    from megatron_slmoe.hf.loader import open_hf_checkpoint
+    from megatron_slmoe.training.cli import build_run_config
+    from megatron_slmoe.training.inputs import hf_tower, memory_check
+    from tests.helpers import hf_models
+
+    hf_models.save(hf_models.build_kimi(), str(tmp_path / "kimi"), layout="fused")
+    hf = open_hf_checkpoint(str(tmp_path / "kimi"))
+    run = build_run_config({"model": {"hf_checkpoint": str(tmp_path / "kimi"),
+                                      "precision": "fp32"},
+                            "data": {"task": "image-text", "seq_length": 64},
+                            "lora": {"targets": ["linear_qkv", "vision_attention"]},
+                            "parallel": {"device_memory_gb": 1}})
+    tower = hf_tower(run, hf)
+    assert tower.attention_adapted and not tower.projector_adapted and tower.lora_parameters > 0
+    first = [memory_check(run, 1, megatron_slmoe.PLATFORM, hf.model_config, opened)
+             .verdict.memory.stages[0] for opened in (None, hf)]
+    assert first[1].weights - first[0].weights == 4 * tower.parameters
+    assert first[1].trainable_params - first[0].trainable_params == tower.lora_parameters
+    assert first[1].activations > first[0].activations
