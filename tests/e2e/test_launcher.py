@@ -3,6 +3,7 @@ torchrun's layout from NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT / NPROC_PE
 rendezvous, settings from the environment, the network profile checked before anything runs."""
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -191,3 +192,26 @@ def test_a_dry_run_of_the_demo_on_a_fresh_checkout_prints_both_steps(sandbox):
     assert "--save-base" in trainings[0] and f"--base-checkpoint {demo}/base" in trainings[1]
     assert "checked when it starts" in proc.stdout
     assert not demo.exists()
+
+
+def test_the_multimodal_demo_refuses_a_folder_of_another_task_version(sandbox):
+    """A demo folder whose data an earlier version of the shapes task made (no task_version,
+    as before versions were written), or whose data is gone beside its base: one line naming
+    the folder to remove, exit 2, nothing started or written."""
+    from megatron_slmoe.data import shapes
+
+    demo = sandbox["tmp"] / "demo-image-text"
+    shapes.generate(str(demo / "data"), captions=4, vqa_train=4, vqa_eval=4)
+    (demo / "data" / "task_version").unlink()
+    proc = _launch(sandbox, ["--task", "image-text", "--dry-run"], SLMOE_DEMO_DIR=str(demo))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {demo} was made by an earlier version of the shapes task: remove it to make "
+        f"it again"]
+    shutil.rmtree(demo / "data")
+    (demo / "base").mkdir()
+    proc = _launch(sandbox, ["--task", "image-text", "--dry-run"], SLMOE_DEMO_DIR=str(demo))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {demo}/base was trained on data that is gone: remove {demo} to make both again"]
+    assert sorted(p.name for p in demo.iterdir()) == ["base"]
