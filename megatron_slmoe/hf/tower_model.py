@@ -63,8 +63,8 @@ def vision_census(hf, lora_targets, lora_rank: int) -> Optional[VisionCensus]:
     no weights read); None for a language model."""
     if hf is None or not hf.family.multimodal:
         return None
-    with torch.device("meta"):
-        vision = hf.family.vision_module(hf.family.hf_config(hf.checkpoint.config_path))
+    vision = hf.family.vision_module(hf.family.hf_config(hf.checkpoint.config_path),
+                                     device="meta")
     wanted, adapted = set(lora_targets), 0
     region_of = regions(vision)
     for parent in vision.modules():

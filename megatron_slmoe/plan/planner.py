@@ -10,7 +10,7 @@ also names the smallest cluster of this device on which one does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 from megatron_slmoe.parallel.layout import layout_problem
 from megatron_slmoe.plan.devices import DeviceSpec, GiB
@@ -22,7 +22,7 @@ from megatron_slmoe.plan.memory import (
 from megatron_slmoe.plan.model_shape import ModelShape
 from megatron_slmoe.plan.settings import DEFAULT_LORA_TARGETS, RunSettings
 from megatron_slmoe.plan.step_time import StepTime, estimate_step_time
-from megatron_slmoe.plan.vision import VisionShape
+from megatron_slmoe.plan.vision import ReplicatedTower, VisionShape
 
 RECOMPUTE_CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("none", ("core_attn",)),
@@ -46,8 +46,8 @@ class PlanOptions:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
     hierarchical_alltoall: Optional[bool] = None
     """None: hierarchical whenever the expert-parallel group spans nodes."""
-    vision: Optional[VisionShape] = None
-    """An image-text run's vision tower and projector (None: text)."""
+    vision: Optional[Union[VisionShape, ReplicatedTower]] = None
+    """The run's vision tower and projector (``RunSettings.vision``; None: none)."""
 
     def settings(self, **layout) -> RunSettings:
         return RunSettings(seq_length=self.seq_length, global_batch_size=self.global_batch_size,

@@ -180,11 +180,18 @@ class ReplicatedTower:
     attention_adapted: bool = False
     """LoRA on ``vision_attention``: backward runs through every tower layer."""
     projector_adapted: bool = False
+    images: bool = True
+    """The run reads images (--task image-text); a text run on the checkpoint has the tower
+    too, and runs it only when it trains (on one blank merged patch per micro-batch)."""
 
     def patches(self, seq_length: int, micro_batch_size: int) -> int:
-        """Patches of one micro-batch at most: every position an image position. Native-
-        resolution images have no fixed size, so this ceiling is what the check can know."""
-        return micro_batch_size * seq_length * self.patches_per_position
+        """Patches of one micro-batch at most. With images: every position an image position
+        (native-resolution images have no fixed size, so this ceiling is what the check can
+        know); without: the blank merged patch a trained tower runs on, else none."""
+        if self.images:
+            return micro_batch_size * seq_length * self.patches_per_position
+        trained = self.attention_adapted or self.projector_adapted
+        return self.patches_per_position if trained else 0
 
 
 def tower_activations(t: ReplicatedTower, patches: int, rank: int,
@@ -197,17 +204,18 @@ def tower_activations(t: ReplicatedTower, patches: int, rank: int,
     their mean and rstd (fp32), q/k/v's input (the first norm's output) and their r-wide LoRA
     intermediates, q, k, v and the attention output (SDPA's, and its contiguous copy that the
     output projection takes), the output projection's r-wide intermediate, the logsumexp per
-    head (fp32), the MLP activation's input; once: the final LayerNorm's and the projector
-    LayerNorm's inputs and stats, the projector GELU's input, the rotary cos and sin, the
-    position index (int64). With LoRA on the projector: its two linears' inputs and r-wide
-    intermediates (per merged position), and, alone, the GELU's input. Held equal to what
-    autograd keeps in ``tests/unit/test_plan_vision.py``. Working set: one layer's forward (its
-    input, q, k, v, the attention output, the MLP's inner activation)."""
+    head (fp32), the MLP activation's input; once: the final LayerNorm's input (fp32) and the
+    projector LayerNorm's, their stats, the projector GELU's input, the rotary cos and sin
+    (fp32), the position index (int64). With LoRA on the projector: its two linears' inputs and
+    r-wide intermediates (per merged position), and, alone, the GELU's input. Held equal to what
+    autograd keeps in ``tests/unit/test_plan_vision.py`` (fp32; bf16 within CPU's LayerNorm
+    stats, which CUDA keeps in fp32 as priced). Working set, an estimate not measured: one
+    layer's forward (its input, q, k, v, the attention output, the MLP's inner activation)."""
     b, h, f, r, m = element_size, t.hidden, t.ffn_hidden, rank, t.patches_per_position
     per_patch = 0.0
     if t.attention_adapted:
         per_patch += t.layers * ((8 * h + f + 4 * r) * b + (t.heads + 4) * _FP32)
-        per_patch += (3 * h + 2 * (h // t.heads)) * b + 5 * _FP32
+        per_patch += 2 * h * b + (h + 2 * (h // t.heads) + 5) * _FP32
         if t.projector_adapted:
             per_patch += (2 * h + 2 * r / m) * b
     elif t.projector_adapted:

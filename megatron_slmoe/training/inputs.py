@@ -563,7 +563,8 @@ def _shown(value) -> str:
 
 def hf_tower(run: RunConfig, hf):
     """The opened --hf-checkpoint's own vision module as the memory planner prices it (a
-    ``plan.vision.ReplicatedTower``), or None when it has none."""
+    ``plan.vision.ReplicatedTower``), or None when it has none. The planner prices LoRA runs:
+    a full fine-tune's trained tower (--train-vision-tower) is priced as a frozen one."""
     from dataclasses import asdict
 
     from megatron_slmoe.hf.tower_model import vision_census
@@ -574,7 +575,8 @@ def hf_tower(run: RunConfig, hf):
     if census is None:
         return None
     return ReplicatedTower(**asdict(census), attention_adapted="vision_attention" in targets,
-                           projector_adapted="projector" in targets)
+                           projector_adapted="projector" in targets,
+                           images=run.data.task == "image-text")
 
 
 def memory_check(run: RunConfig, world_size: int, platform, model_config, hf=None):

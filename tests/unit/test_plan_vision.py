@@ -153,7 +153,17 @@ def test_hf_tower_census_equals_transformers_and_peft(megatron_single_rank, tmp_
 
     model = hf_models.build_kimi()
     hf_models.save(model, str(tmp_path / "kimi"), layout="fused")
-    census = vision_census(open_hf_checkpoint(str(tmp_path / "kimi")), targets, lora_rank=4)
+    hf = open_hf_checkpoint(str(tmp_path / "kimi"))
+    built, build = [], hf.family.vision_module
+
+    def spy(*args, **kwargs):  # the census holds no real storage (Kimi-K2.5's is 1.8 GB)
+        module = build(*args, **kwargs)
+        built.append({p.device.type for p in module.parameters()})
+        return module
+
+    hf.family.vision_module = spy
+    census = vision_census(hf, targets, lora_rank=4)
+    assert built == [{"meta"}]
     vision = model.model.vision_tower, model.model.mm_projector
     assert census.parameters == sum(p.numel() for m in vision for p in m.parameters())
     patterns = {"vision_attention": r"vision_tower\..*\.attn\.(q_proj|k_proj|v_proj|proj)",
@@ -167,12 +177,16 @@ def test_hf_tower_census_equals_transformers_and_peft(megatron_single_rank, tmp_
     assert vision_census(None, targets, 4) is None
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("targets", [["vision_attention"], ["projector"], VISION_TARGETS],
                          ids=["attention", "projector", "both"])
 @pytest.mark.parametrize("variant", sorted(KIMI_VARIANTS))
-def test_hf_tower_activations_equal_what_autograd_saves(megatron_single_rank, variant, targets):
+def test_hf_tower_activations_equal_what_autograd_saves(megatron_single_rank, variant, targets,
+                                                        dtype):
     """Two images of different patch grids through MoonViT and the projector with LoRA on
-    ``targets``: the storages autograd keeps for backward are what the planner says."""
+    ``targets``: the storages autograd keeps for backward are what the planner says. In bf16
+    the planner prices LayerNorm's mean and rstd in fp32, as CUDA keeps them; CPU keeps them
+    in bf16, 2 bytes less each."""
     import torch
 
     from megatron_slmoe.hf.kimi_k25 import KimiK25Vision
@@ -181,18 +195,22 @@ def test_hf_tower_activations_equal_what_autograd_saves(megatron_single_rank, va
     from megatron_slmoe.plan.vision import ReplicatedTower, tower_activations
     from tests.helpers.autograd import saved_activation_bytes
 
+    torch_dtype, size = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}[dtype]
     torch.manual_seed(0)
-    vision = KimiK25Vision(_kimi_config(variant)).float()
+    vision = KimiK25Vision(_kimi_config(variant)).to(torch_dtype)
     vision.requires_grad_(False)
     inject_lora(vision, LoRAConfig(rank=4, alpha=8.0, targets=targets))
     grid = torch.tensor([[1, 8, 8], [1, 4, 8]])
     patches = int(grid.prod(-1).sum())
-    pixels = torch.randn(patches, 3, 14, 14)
+    pixels = torch.randn(patches, 3, 14, 14, dtype=torch_dtype)
     tower = ReplicatedTower(parameters=0, lora_parameters=0, **vision.layer_shape(),
                             attention_adapted="vision_attention" in targets,
                             projector_adapted="projector" in targets)
-    predicted, _ = tower_activations(tower, patches, rank=4, element_size=4)
-    assert predicted == saved_activation_bytes(vision, lambda: vision(pixels, grid))
+    predicted, _ = tower_activations(tower, patches, rank=4, element_size=size)
+    stats = 0
+    if tower.attention_adapted and size < 4:  # two LayerNorms a layer and the projector's
+        stats = (4 * tower.layers + 2) * (4 - size) * patches
+    assert predicted - stats == saved_activation_bytes(vision, lambda: vision(pixels, grid))
 
 
 def test_first_stage_carries_an_hf_checkpoints_tower():
@@ -214,7 +232,10 @@ def test_first_stage_carries_an_hf_checkpoints_tower():
 
 
 def test_the_start_up_check_prices_the_checkpoints_tower(megatron_single_rank, tmp_path):
+    import dataclasses
+
     import megatron_slmoe
+    from megatron_slmoe.plan.vision import tower_activations
     from megatron_slmoe.hf.loader import open_hf_checkpoint
     from megatron_slmoe.training.cli import build_run_config
     from megatron_slmoe.training.inputs import hf_tower, memory_check
@@ -233,4 +254,14 @@ def test_the_start_up_check_prices_the_checkpoints_tower(megatron_single_rank, t
              .verdict.memory.stages[0] for opened in (None, hf)]
     assert first[1].weights - first[0].weights == 4 * tower.parameters
     assert first[1].trainable_params - first[0].trainable_params == tower.lora_parameters
-    assert first[1].activations > first[0].activations
+    micro_batch = run.schedule.micro_batch_size
+    kept, _ = tower_activations(tower, tower.patches(64, micro_batch), 8, 4)
+    assert tower.patches(64, micro_batch) == micro_batch * 64 * 4  # every position an image's
+    assert first[1].activations - first[0].activations == kept
+    # A text run on the checkpoint: the tower is there, and trains on one blank merged patch.
+    text = dataclasses.replace(run, data=dataclasses.replace(run.data, task="text"))
+    assert hf_tower(text, hf).patches(64, 1) == tower.patches_per_position
+    first = [memory_check(text, 1, megatron_slmoe.PLATFORM, hf.model_config, opened)
+             .verdict.memory.stages[0] for opened in (None, hf)]
+    kept, _ = tower_activations(tower, tower.patches_per_position, 8, 4)
+    assert first[1].activations - first[0].activations == kept
