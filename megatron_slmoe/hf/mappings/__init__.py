@@ -15,10 +15,11 @@ from megatron_slmoe.hf.mappings.family import Family
 from megatron_slmoe.hf.mappings.kimi_k25 import KimiK25Family
 from megatron_slmoe.hf.mappings.nemotron_h import NemotronHFamily
 from megatron_slmoe.hf.mappings.qwen3_moe import Qwen3MoeFamily
+from megatron_slmoe.hf.mappings.qwen3_vl_moe import Qwen3VLMoeFamily
 from megatron_slmoe.hf.mappings.slmoe import StableLatentMoeFamily
 
 FAMILIES: tuple[Family, ...] = (Qwen3MoeFamily(), DeepseekV3Family(), NemotronHFamily(),
-                                StableLatentMoeFamily(), KimiK25Family())
+                                StableLatentMoeFamily(), KimiK25Family(), Qwen3VLMoeFamily())
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 
 

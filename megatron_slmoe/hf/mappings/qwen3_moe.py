@@ -65,10 +65,13 @@ class Qwen3MoeFamily(Family):
         gpt = c.gpt_fields(rotary_base=rope["rope_theta"])
         return transformer, gpt
 
-    def table(self, model_config):
+    def table(self, model_config, model: str = "model", head: str = "lm_head"):
+        """``model`` / ``head``: where the decoder and the output layer are in the checkpoint
+        (a multimodal model holds this language model under another prefix)."""
         t = model_config.transformer
-        hf = "model.layers.{layer}"
-        rules = embedding_rules("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+        hf = model + ".layers.{layer}"
+        rules = embedding_rules(f"{model}.embed_tokens.weight", f"{head}.weight",
+                                f"{model}.norm.weight",
                                 model_config.share_embeddings_and_output_weights)
         rules += layernorm_rules(f"{hf}.input_layernorm.weight",
                                  f"{hf}.post_attention_layernorm.weight")

@@ -1,0 +1,56 @@
+"""Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): a Qwen3-MoE language model with
+interleaved multimodal rotary positions and DeepStack, behind a ViT with 2D rotary positions.
+
+WORK IN PROGRESS (branch wip/qwen3-vl-moe): the language model alone, for text. With text only
+the three rotary positions are equal, so the interleaved M-RoPE is 1D RoPE (``model.mrope``) and
+DeepStack adds nothing: the text model is Qwen3-MoE's under ``model.language_model.``. The router
+always renormalises the chosen experts' weights (there is no ``norm_topk_prob``). Whether the
+output layer is the embedding is the top-level ``tie_word_embeddings`` (default false), not the
+text config's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_slmoe.hf.mappings.family import ConfigReader
+from megatron_slmoe.hf.mappings.qwen3_moe import Qwen3MoeFamily
+from megatron_slmoe.model.model_file import ModelConfig
+
+LANGUAGE_MODEL, HEAD = "model.language_model", "lm_head"
+
+
+class Qwen3VLMoeFamily(Qwen3MoeFamily):
+    name = "qwen3_vl_moe"
+    architectures = ("Qwen3VLMoeForConditionalGeneration",)
+
+    def model_config(self, config: dict, path: str) -> ModelConfig:
+        top = ConfigReader(config, path)
+        text = top.get("text_config")
+        top.require(isinstance(text, dict), "text_config is missing (a Qwen3-VL-MoE config "
+                                            "holds its language model's settings there)")
+        language = super().model_config(text, f"{path} text_config")
+        return dataclasses.replace(language, source=path,
+                                   share_embeddings_and_output_weights=top.bool(
+                                       "tie_word_embeddings", False))
+
+    def transformer_fields(self, c: ConfigReader):
+        rope = c.rope()
+        c.require(rope.get("mrope_interleaved", True) is True,
+                  "mrope_interleaved false is not supported (Qwen3-VL interleaves)")
+        transformer, gpt = super().transformer_fields(c)
+        transformer["moe_router_pre_softmax"] = False  # softmax over the chosen experts
+        return transformer, gpt
+
+    def table(self, model_config, model: str = LANGUAGE_MODEL, head: str = HEAD):
+        return super().table(model_config, model=model, head=head)
+
+    def config_class(self):
+        from transformers import Qwen3VLMoeConfig
+
+        return Qwen3VLMoeConfig
+
+    def hf_model_class(self):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
