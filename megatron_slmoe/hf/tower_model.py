@@ -26,6 +26,13 @@ def build_tower_language_model(model_config, transformer_config, pre_process: bo
     language = build_gpt_model(model_config, transformer_config, pre_process=pre_process,
                                post_process=post_process,
                                scatter_embedding_sequence_parallel=False)
+    if hasattr(family, "mrope_section"):  # interleaved M-RoPE in place of the 1D RoPE
+        from megatron_slmoe.model.mrope import InterleavedMRoPE
+
+        language.rotary_pos_emb = InterleavedMRoPE(transformer_config.kv_channels,
+                                                   rotary_base=model_config.rotary_base)
+        language.position_embedding_type = "mrope"
+        language.mrope_section = family.mrope_section(hf_config)
     vision = family.vision_module(hf_config) if pre_process else None
     if vision is not None:
         vision.to(transformer_config.params_dtype)

@@ -18,6 +18,7 @@ ranks; the language model runs on these embeddings. The positions are the text p
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -39,6 +40,12 @@ class TowerLanguageModel(MegatronModule):
         self.language_model = language_model
         self.vision = vision
         self.image_token_id = image_token_id
+        # DeepStack (a vision module that returns per-layer features too): added to the outputs
+        # of the first decoder layers at the image positions, for one forward at a time.
+        self._deepstack: list = []
+        for index in range(getattr(vision, "deepstack_layers", 0)):
+            layer = language_model.decoder.layers[index]
+            layer.register_forward_hook(partial(self._add_deepstack, index))
         self.model_type = language_model.model_type  # read by Megatron's schedules
         self.pre_process = language_model.pre_process
         self.post_process = language_model.post_process
@@ -61,14 +68,14 @@ class TowerLanguageModel(MegatronModule):
         if pixel_values is not None:
             dtype = next(self.vision.parameters()).dtype  # the data pipeline's are float32
             features = self.vision(pixel_values.to(dtype), image_grid_thw)
+            features, deepstack = features if isinstance(features, tuple) else (features, [])
             wanted = int(image.sum())
             if features.shape[0] != wanted:
                 raise ImageTokenMismatch(f"the batch has {wanted} image tokens, its images "
                                          f"{features.shape[0]} embeddings")
-            batch_first = embeddings.transpose(0, 1)
-            batch_first = batch_first.masked_scatter(image.unsqueeze(-1),
-                                                     features.to(embeddings.dtype))
-            embeddings = batch_first.transpose(0, 1).contiguous()
+            embeddings = self._at_image_positions(embeddings, image, features)
+            self._deepstack = [self._at_image_positions(torch.zeros_like(embeddings), image, f)
+                               for f in deepstack]
         elif image.any():
             raise ImageTokenMismatch(
                 f"the batch has {int(image.sum())} image tokens (id {self.image_token_id}) and "
@@ -80,7 +87,26 @@ class TowerLanguageModel(MegatronModule):
             embeddings = embeddings + 0.0 * blank.sum().to(embeddings.dtype)
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+            self._deepstack = [tensor_parallel.scatter_to_sequence_parallel_region(d)
+                               for d in self._deepstack]
         return embeddings
+
+    @staticmethod
+    def _at_image_positions(embeddings: torch.Tensor, image: torch.Tensor,
+                            features: torch.Tensor) -> torch.Tensor:
+        """``embeddings`` [S, B, h] with ``features`` written over the image positions (``image``
+        [B, S]) in the token order of the batch (row after row)."""
+        batch_first = embeddings.transpose(0, 1)
+        batch_first = batch_first.masked_scatter(image.unsqueeze(-1),
+                                                 features.to(embeddings.dtype))
+        return batch_first.transpose(0, 1).contiguous()
+
+    def _add_deepstack(self, index: int, module, args, output):
+        if index >= len(self._deepstack):
+            return output
+        hidden, *rest = output if isinstance(output, tuple) else (output,)
+        hidden = hidden + self._deepstack[index]
+        return (hidden, *rest) if isinstance(output, tuple) else hidden
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -88,10 +114,16 @@ class TowerLanguageModel(MegatronModule):
                 image_grid_thw: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, **kwargs):
         decoder_input = None
-        if self.pre_process:
-            decoder_input = self.embed(input_ids, position_ids, pixel_values, image_grid_thw)
-        return self.language_model(input_ids, position_ids, attention_mask,
-                                   decoder_input=decoder_input, labels=labels, **kwargs)
+        if self.vision is not None and hasattr(self.vision, "position_ids"):
+            position_ids = self.vision.position_ids(input_ids, image_grid_thw)
+        self._deepstack = []
+        try:
+            if self.pre_process:
+                decoder_input = self.embed(input_ids, position_ids, pixel_values, image_grid_thw)
+            return self.language_model(input_ids, position_ids, attention_mask,
+                                       decoder_input=decoder_input, labels=labels, **kwargs)
+        finally:
+            self._deepstack = []
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None):

@@ -49,7 +49,43 @@ def test_text_logits_match_transformers(tmp_path):
     model = build_qwen3_vl_moe()
     hf_models.save(model, str(tmp_path / "qwen3vl"), layout="fused")
     input_ids = hf_models.tokens()
-    ours, report = hf_models.import_and_run(str(tmp_path / "qwen3vl"), input_ids)
+    ours = hf_models.megatron_logits(hf_models.load_kimi(str(tmp_path / "qwen3vl"))[0],
+                                     input_ids)
     with torch.no_grad():
         theirs = model(input_ids=input_ids).logits.float()
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+IMAGE_TOKEN = 60
+
+
+def qwen_inputs(seed: int = 7) -> dict:
+    """Two rows, each text, one image's placeholders (one per merged 2x2 patch), text; pixels
+    as Qwen's processor flattens them [patches, 3 * 2 * 16 * 16]."""
+    gen = torch.Generator().manual_seed(seed)
+    grids = [(1, 4, 6), (1, 6, 4)]
+    patches = sum(t * h * w for t, h, w in grids)
+    rows = []
+    for _, h, w in grids:
+        text = torch.randint(0, IMAGE_TOKEN, (6,), generator=gen)
+        rows.append(torch.cat([text[:2], torch.full((h * w // 4,), IMAGE_TOKEN), text[2:]]))
+    return dict(input_ids=torch.stack(rows), image_grid_thw=torch.tensor(grids),
+                pixel_values=torch.randn(patches, 3 * 2 * 16 * 16, generator=gen))
+
+
+def test_image_text_logits_match_transformers(tmp_path):
+    model = build_qwen3_vl_moe()
+    hf_models.save(model, str(tmp_path / "qwen3vl"), layout="fused")
+    inputs = qwen_inputs()
+    ours, _ = hf_models.kimi_import_and_run(str(tmp_path / "qwen3vl"), inputs)
+    mm_types = (inputs["input_ids"] == IMAGE_TOKEN).int()
+    with torch.no_grad():
+        theirs = model(**inputs, mm_token_type_ids=mm_types).logits.float()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    # DeepStack matters: without its features the logits differ.
+    with torch.no_grad():
+        for merger in model.model.visual.deepstack_merger_list:
+            merger.linear_fc2.weight.zero_()
+            merger.linear_fc2.bias.zero_()
+        assert not torch.allclose(model(**inputs, mm_token_type_ids=mm_types).logits, theirs,
+                                  atol=1e-3)

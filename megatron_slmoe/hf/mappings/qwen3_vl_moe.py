@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from megatron_slmoe.hf.mappings.family import ConfigReader
+from megatron_slmoe.hf.mappings.kinds import MappingTable
+from megatron_slmoe.hf.qwen3_vl_moe import Qwen3VLMoeVision
 from megatron_slmoe.hf.mappings.qwen3_moe import Qwen3MoeFamily
 from megatron_slmoe.model.model_file import ModelConfig
 
@@ -23,6 +27,9 @@ LANGUAGE_MODEL, HEAD = "model.language_model", "lm_head"
 class Qwen3VLMoeFamily(Qwen3MoeFamily):
     name = "qwen3_vl_moe"
     architectures = ("Qwen3VLMoeForConditionalGeneration",)
+    multimodal = True
+    image_token = "<|image_pad|>"
+    image_text = "<|vision_start|><|image_pad|><|vision_end|>"
 
     def model_config(self, config: dict, path: str) -> ModelConfig:
         top = ConfigReader(config, path)
@@ -43,7 +50,18 @@ class Qwen3VLMoeFamily(Qwen3MoeFamily):
         return transformer, gpt
 
     def table(self, model_config, model: str = LANGUAGE_MODEL, head: str = HEAD):
-        return super().table(model_config, model=model, head=head)
+        """Qwen3-MoE's table for the language model, which the image-text model
+        (``TowerLanguageModel``) holds as ``language_model``."""
+        language = super().table(model_config, model=model, head=head)
+        return MappingTable(language.under("language_model.").rules)
+
+    def vision_module(self, hf_config, device: str = "cpu"):
+        with torch.device(device):
+            return Qwen3VLMoeVision(hf_config)
+
+    def mrope_section(self, hf_config) -> list:
+        """The interleaved M-RoPE's sections (temporal, height, width frequencies)."""
+        return list(hf_config.text_config.rope_parameters["mrope_section"])
 
     def config_class(self):
         from transformers import Qwen3VLMoeConfig

@@ -1,0 +1,71 @@
+"""Qwen3-VL-MoE as an image-text model (WORK IN PROGRESS, branch wip/qwen3-vl-moe):
+transformers' Qwen3-VL vision tower, merger and DeepStack mergers in front of our Megatron-Core
+Qwen3-MoE language model (``model.tower_language.TowerLanguageModel``).
+
+The tower is transformers' module, replicated on the first pipeline stage, for the reasons
+``hf.kimi_k25`` gives (native resolution, a resampled learned position table, 2D rotary
+positions). Two things reach the language model besides the image embeddings: DeepStack features
+(the merged outputs of some tower layers, added to the outputs of the first decoder layers at the
+image positions) and 3D rotary positions for its interleaved M-RoPE (``position_ids``:
+transformers' own ``get_rope_index``).
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+
+
+class Qwen3VLMoeVision(torch.nn.Module):
+    """``(pixel_values [patches, C * T * P * P], image_grid_thw [images, 3])`` -> (one embedding
+    per merged 2x2 patch ``[tokens, text hidden]``, a DeepStack feature of the same shape per
+    ``deepstack_visual_indexes`` layer), images in order, as transformers'
+    ``Qwen3VLMoeModel.get_image_features`` computes them."""
+
+    hf_prefix = "model."
+
+    def __init__(self, hf_config) -> None:
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+            Qwen3VLMoeVisionModel,
+        )
+
+        super().__init__()
+        vision_config = copy.deepcopy(hf_config.vision_config)
+        vision_config._attn_implementation = "sdpa"
+        self.visual = Qwen3VLMoeVisionModel(vision_config)
+        self._hf_config = hf_config
+
+    @property
+    def deepstack_layers(self) -> int:
+        return len(self.visual.config.deepstack_visual_indexes)
+
+    def blank_image(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The smallest input the tower takes (one merged patch of zeros) and its grid."""
+        config = self.visual.config
+        merge = config.spatial_merge_size
+        width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+        pixels = torch.zeros(merge * merge, width, device=device,
+                             dtype=self.visual.patch_embed.proj.weight.dtype)
+        return pixels, torch.tensor([[1, merge, merge]], device=device)
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor):
+        out = self.visual(pixel_values, grid_thw=image_grid_thw, return_dict=True)
+        return out.pooler_output, list(out.deepstack_features)
+
+    def position_ids(self, input_ids: torch.Tensor,
+                     image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """[3, B, S] rotary positions (temporal, height, width) of a batch, by transformers'
+        ``Qwen3VLMoeModel.get_rope_index`` (it reads only the merge size from its model)."""
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeModel
+
+        model = SimpleNamespace(
+            config=self._hf_config,
+            get_vision_position_ids=partial(Qwen3VLMoeModel.get_vision_position_ids, None))
+        types = (input_ids == self._hf_config.image_token_id).int()
+        positions, _ = Qwen3VLMoeModel.get_rope_index(model, input_ids.cpu(), types.cpu(),
+                                                      image_grid_thw=None if image_grid_thw
+                                                      is None else image_grid_thw.cpu())
+        return positions.to(input_ids.device)
