@@ -55,17 +55,20 @@ class Qwen3VLMoeVision(torch.nn.Module):
         out = self.visual(pixel_values, grid_thw=image_grid_thw, return_dict=True)
         return out.pooler_output, list(out.deepstack_features)
 
-    def position_ids(self, input_ids: torch.Tensor,
-                     image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """[3, B, S] rotary positions (temporal, height, width) of a batch, by transformers'
-        ``Qwen3VLMoeModel.get_rope_index`` (it reads only the merge size from its model)."""
-        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeModel
 
-        model = SimpleNamespace(
-            config=self._hf_config,
-            get_vision_position_ids=partial(Qwen3VLMoeModel.get_vision_position_ids, None))
-        types = (input_ids == self._hf_config.image_token_id).int()
-        positions, _ = Qwen3VLMoeModel.get_rope_index(model, input_ids.cpu(), types.cpu(),
-                                                      image_grid_thw=None if image_grid_thw
-                                                      is None else image_grid_thw.cpu())
-        return positions.to(input_ids.device)
+
+def rope_positions(hf_config, input_ids: torch.Tensor,
+                   image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """[3, B, S] rotary positions (temporal, height, width) of a batch, by transformers'
+    ``Qwen3VLMoeModel.get_rope_index`` (it reads only the merge size from its model); every
+    pipeline stage computes them from the ids and the image grids."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeModel
+
+    model = SimpleNamespace(
+        config=hf_config,
+        get_vision_position_ids=partial(Qwen3VLMoeModel.get_vision_position_ids, None))
+    types = (input_ids == hf_config.image_token_id).int()
+    grids = None if image_grid_thw is None or image_grid_thw.shape[0] == 0 else image_grid_thw
+    positions, _ = Qwen3VLMoeModel.get_rope_index(
+        model, input_ids.cpu(), types.cpu(), image_grid_thw=None if grids is None else grids.cpu())
+    return positions.to(input_ids.device)

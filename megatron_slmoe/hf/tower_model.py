@@ -36,7 +36,9 @@ def build_tower_language_model(model_config, transformer_config, pre_process: bo
     vision = family.vision_module(hf_config) if pre_process else None
     if vision is not None:
         vision.to(transformer_config.params_dtype)
-    return TowerLanguageModel(language, vision, image_token_id=hf_config.image_token_id)
+    positions = family.rope_positions(hf_config) if hasattr(family, "rope_positions") else None
+    return TowerLanguageModel(language, vision, image_token_id=hf_config.image_token_id,
+                              positions=positions)
 
 
 def hf_model_builder(hf) -> Optional[Callable]:

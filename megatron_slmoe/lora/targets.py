@@ -65,7 +65,10 @@ REGIONS = ("language", "vision", "projector")
 # LLaVAModel's, and those of a transformers tower and projector (Kimi-K2.5's, in
 # ``hf.kimi_k25.KimiK25Vision``).
 _REGION_ROOTS = {"vision_model": "vision", "vision_projection": "projector",
-                 "vision_tower": "vision", "mm_projector": "projector"}
+                 "vision_tower": "vision", "mm_projector": "projector",
+                 # Qwen3-VL's (``hf.qwen3_vl_moe``): the mergers sit inside the tower.
+                 "visual": "vision", "merger": "projector",
+                 "deepstack_merger_list": "projector"}
 
 
 @dataclass(frozen=True)
@@ -150,9 +153,10 @@ MODULE_KINDS: tuple[ModuleKind, ...] = (
     # A transformers tower and projector (replicated): the attention's q/k/v and output
     # projections, the projector's linears.
     ModuleKind("hf_vision_attention", ("vision_attention",),
-               lambda parent, attr, child: type(child) is torch.nn.Linear
-               and attr in ("q_proj", "k_proj", "v_proj", "proj")
-               and all(hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj")),
+               lambda parent, attr, child: type(child) is torch.nn.Linear and (
+                   attr in ("q_proj", "k_proj", "v_proj", "proj")
+                   and all(hasattr(parent, a) for a in ("q_proj", "k_proj", "v_proj"))
+                   or attr in ("qkv", "proj") and hasattr(parent, "qkv")),  # fused (Qwen3-VL)
                _replicated, region="vision"),
     ModuleKind("hf_projector_linear", ("projector",),
                lambda parent, attr, child: type(child) is torch.nn.Linear, _replicated,

@@ -19,7 +19,7 @@ ranks; the language model runs on these embeddings. The positions are the text p
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from megatron.core import tensor_parallel
@@ -35,15 +35,22 @@ class TowerLanguageModel(MegatronModule):
     ``scatter_embedding_sequence_parallel=False`` (the image embeddings are written in before the
     scatter). ``vision``: the vision module on the first stage, None elsewhere."""
 
-    def __init__(self, language_model, vision: Optional[torch.nn.Module], image_token_id: int):
+    def __init__(self, language_model, vision: Optional[torch.nn.Module], image_token_id: int,
+                 positions: Optional[Callable] = None):
         super().__init__(config=language_model.config)
         self.language_model = language_model
         self.vision = vision
         self.image_token_id = image_token_id
+        self.positions = positions  # (input_ids, image_grid_thw) -> the rotary positions
         # DeepStack (a vision module that returns per-layer features too): added to the outputs
         # of the first decoder layers at the image positions, for one forward at a time.
         self._deepstack: list = []
-        for index in range(getattr(vision, "deepstack_layers", 0)):
+        deepstack = getattr(vision, "deepstack_layers", 0)
+        if deepstack > len(language_model.decoder.layers):
+            raise ValueError(f"the tower's DeepStack features go to the first {deepstack} "
+                             f"decoder layers; the first pipeline stage has "
+                             f"{len(language_model.decoder.layers)}")
+        for index in range(deepstack):
             layer = language_model.decoder.layers[index]
             layer.register_forward_hook(partial(self._add_deepstack, index))
         self.model_type = language_model.model_type  # read by Megatron's schedules
@@ -114,8 +121,8 @@ class TowerLanguageModel(MegatronModule):
                 image_grid_thw: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, **kwargs):
         decoder_input = None
-        if self.vision is not None and hasattr(self.vision, "position_ids"):
-            position_ids = self.vision.position_ids(input_ids, image_grid_thw)
+        if self.positions is not None:
+            position_ids = self.positions(input_ids, image_grid_thw)
         self._deepstack = []
         try:
             if self.pre_process:

@@ -1,6 +1,6 @@
 """Rank-local HF import under TP=2 (sequence parallel), EP=2 and PP=2: for every family, the
 imported Megatron model's logits equal transformers' on the same tiny random checkpoint (Kimi-K2.5
-on an image+text batch), and each
+and Qwen3-VL-MoE on image+text batches), and each
 rank read only its own slices (EP ranks read half the experts, TP ranks half the sharded rows).
 The dist checkpoint ``convert_hf import`` writes under EP=2 loads under PP=2 with the same logits.
 
@@ -30,7 +30,8 @@ def _load_converted(directory: str, input_ids: torch.Tensor):
 
 
 def _one_layout(layout: str, checkpoints: dict, input_ids: torch.Tensor, converted: str,
-                kimi_dir: str, kimi_inputs: dict) -> dict:
+                kimi_dir: str, kimi_inputs: dict, qwen3_vl_dir: str,
+                qwen3_vl_inputs: dict) -> dict:
     from megatron_slmoe.hf.convert import import_to_dist_checkpoint
     from megatron_slmoe.hf.loader import open_hf_checkpoint
 
@@ -40,6 +41,8 @@ def _one_layout(layout: str, checkpoints: dict, input_ids: torch.Tensor, convert
         results[layout, name] = (logits, report.bytes_read)
     logits, report = hf_models.kimi_import_and_run(kimi_dir, kimi_inputs)
     results[layout, "kimi_k25"] = (logits, report.bytes_read)
+    logits, report = hf_models.kimi_import_and_run(qwen3_vl_dir, qwen3_vl_inputs)
+    results[layout, "qwen3_vl_moe"] = (logits, report.bytes_read)
     if layout == "ep2":
         import_to_dist_checkpoint(open_hf_checkpoint(checkpoints["deepseek_v3"]), converted)
     if layout == "pp2":
@@ -64,12 +67,20 @@ def parallel_results(tmp_path_factory):
     kimi, kimi_inputs = hf_models.build_kimi(), hf_models.kimi_inputs()
     hf_models.save(kimi, str(root / "kimi_k25"), layout="fused")
     references["kimi_k25"] = hf_models.kimi_hf_logits(kimi, kimi_inputs)
+    # Qwen3-VL-MoE: DeepStack into the first decoder layer, 3D rotary positions on every stage.
+    qwen3_vl, qwen3_vl_inputs = hf_models.build_qwen3_vl_moe(), hf_models.qwen3_vl_inputs()
+    hf_models.save(qwen3_vl, str(root / "qwen3_vl_moe"), layout="fused")
+    image = qwen3_vl_inputs["input_ids"] == hf_models.QWEN3_VL_IMAGE_TOKEN
+    with torch.no_grad():
+        references["qwen3_vl_moe"] = qwen3_vl(**qwen3_vl_inputs,
+                                              mm_token_type_ids=image.int()).logits.float()
     per_rank = [{} for _ in range(2)]
     for layout, sizes in LAYOUTS.items():  # in this order: pp2 loads what ep2 converted
         for rank, results in enumerate(run_ranks(
                 _one_layout, 2, etp=1, timeout=300.0, **sizes, layout=layout,
                 checkpoints=checkpoints, input_ids=input_ids, converted=str(root / "converted"),
-                kimi_dir=str(root / "kimi_k25"), kimi_inputs=kimi_inputs)):
+                kimi_dir=str(root / "kimi_k25"), kimi_inputs=kimi_inputs,
+                qwen3_vl_dir=str(root / "qwen3_vl_moe"), qwen3_vl_inputs=qwen3_vl_inputs)):
             per_rank[rank].update(results)
     return per_rank, references
 
@@ -98,7 +109,7 @@ def test_ranks_read_only_their_slices(parallel_results):
     together read at least all of it (everything replicated is read by both)."""
     per_rank, _ = parallel_results
     for layout in ("tp2-sp", "ep2", "pp2"):
-        for name in (*hf_models.FAMILY_NAMES, "kimi_k25"):
+        for name in (*hf_models.FAMILY_NAMES, "kimi_k25", "qwen3_vl_moe"):
             read = [rank[layout, name][1] for rank in per_rank]
             assert all(r > 0 for r in read)
             assert max(read) < sum(read), (layout, name, read)

@@ -393,3 +393,61 @@ def kimi_import_and_run(hf_dir: str, inputs: dict):
     model, report = load_kimi(hf_dir)
     extra = {k: inputs[k] for k in ("pixel_values", "image_grid_thw")}
     return megatron_logits(model, inputs["input_ids"], **extra), report
+
+
+# --- Qwen3-VL-MoE: a Qwen3-VL tower with DeepStack before a Qwen3-MoE language model ------------
+
+QWEN3_VL_IMAGE_TOKEN = 60
+
+
+def build_qwen3_vl_moe(seed: int = 0, **text):
+    """A tiny Qwen3VLMoeForConditionalGeneration: the Qwen3-MoE test model's sizes with
+    interleaved M-RoPE (sections 2, 3, 3 of head_dim 16), a 2-layer tower with one DeepStack
+    layer (fp32, eval, random weights)."""
+    import transformers
+
+    text_config = dict(
+        # moe_intermediate_size 12: neither it nor twice it equals the width, so transformers
+        # can tell its fused experts' layout from the published transposed one by shape.
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=12,
+        num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOPK, mlp_only_layers=[0],
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [2, 3, 3], "mrope_interleaved": True}, **text)
+    vision_config = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2,
+                         out_hidden_size=HIDDEN, patch_size=16, spatial_merge_size=2,
+                         temporal_patch_size=2, deepstack_visual_indexes=[0])
+    config = transformers.Qwen3VLMoeConfig(text_config=text_config, vision_config=vision_config,
+                                           image_token_id=QWEN3_VL_IMAGE_TOKEN, video_token_id=61,
+                                           vision_start_token_id=62, vision_end_token_id=63,
+                                           tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(config).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            noise = torch.randn(tensor.shape, generator=gen)
+            if "norm" in name:
+                tensor.copy_(1.0 + 0.2 * noise)
+            elif tensor.dim() == 1:
+                tensor.copy_(0.2 * noise)
+            else:
+                tensor.copy_(noise / math.sqrt(tensor.shape[-1]))
+    return model
+
+
+def qwen3_vl_inputs(seed: int = 7) -> dict:
+    """Two rows, each text, one image's placeholders (one per merged 2x2 patch), text; pixels
+    as Qwen's processor flattens them [patches, 3 * 2 * 16 * 16]."""
+    gen = torch.Generator().manual_seed(seed)
+    grids = [(1, 4, 6), (1, 6, 4)]
+    patches = sum(t * h * w for t, h, w in grids)
+    rows = []
+    for _, h, w in grids:
+        text = torch.randint(0, QWEN3_VL_IMAGE_TOKEN, (6,), generator=gen)
+        image = torch.full((h * w // 4,), QWEN3_VL_IMAGE_TOKEN)
+        rows.append(torch.cat([text[:2], image, text[2:]]))
+    return dict(input_ids=torch.stack(rows), image_grid_thw=torch.tensor(grids),
+                pixel_values=torch.randn(patches, 3 * 2 * 16 * 16, generator=gen))

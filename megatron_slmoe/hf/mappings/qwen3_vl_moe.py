@@ -12,16 +12,23 @@ text config's.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 
 from megatron_slmoe.hf.mappings.family import ConfigReader
-from megatron_slmoe.hf.mappings.kinds import MappingTable
-from megatron_slmoe.hf.qwen3_vl_moe import Qwen3VLMoeVision
+from megatron_slmoe.hf.mappings.kinds import Direct, MappingTable, Rule
+from megatron_slmoe.hf.qwen3_vl_moe import Qwen3VLMoeVision, rope_positions
 from megatron_slmoe.hf.mappings.qwen3_moe import Qwen3MoeFamily
 from megatron_slmoe.model.model_file import ModelConfig
 
 LANGUAGE_MODEL, HEAD = "model.language_model", "lm_head"
+VISION_LINEARS = ("visual.blocks.{layer}.attn.qkv", "visual.blocks.{layer}.attn.proj",
+                  "visual.blocks.{layer}.mlp.linear_fc1", "visual.blocks.{layer}.mlp.linear_fc2",
+                  "visual.merger.linear_fc1", "visual.merger.linear_fc2",
+                  "visual.deepstack_merger_list.{layer}.linear_fc1",
+                  "visual.deepstack_merger_list.{layer}.linear_fc2")
+"""transformers' names of the linears of Qwen3-VL's tower and mergers (under ``model.``)."""
 
 
 class Qwen3VLMoeFamily(Qwen3MoeFamily):
@@ -53,11 +60,18 @@ class Qwen3VLMoeFamily(Qwen3MoeFamily):
         """Qwen3-MoE's table for the language model, which the image-text model
         (``TowerLanguageModel``) holds as ``language_model``."""
         language = super().table(model_config, model=model, head=head)
-        return MappingTable(language.under("language_model.").rules)
+        return MappingTable(language.under("language_model.").rules + [
+            Rule(f"vision.{name}.weight", Direct(f"model.{name}.weight"))
+            for name in VISION_LINEARS])
 
     def vision_module(self, hf_config, device: str = "cpu"):
         with torch.device(device):
             return Qwen3VLMoeVision(hf_config)
+
+    def rope_positions(self, hf_config):
+        """positions(input_ids, image_grid_thw) -> [3, B, S]: the language model's rotary
+        positions of a batch."""
+        return partial(rope_positions, hf_config)
 
     def mrope_section(self, hf_config) -> list:
         """The interleaved M-RoPE's sections (temporal, height, width frequencies)."""

@@ -48,10 +48,11 @@ def forward_step(device: torch.device, data_iterator, model):
     if "pixel_values" in batch:  # a checkpoint's own tower: the ids hold every image position
         from megatron.core import parallel_state
 
-        # The tower is on the first pipeline stage: later stages leave the pixels on the host.
+        # The tower is on the first pipeline stage: later stages leave the pixels on the host
+        # (every stage takes the image grids: they give the rotary positions of some models).
         first = parallel_state.is_pipeline_first_stage()
-        images = {k: batch[k].to(device) if first else None
-                  for k in ("pixel_values", "image_grid_thw")}
+        images = {"pixel_values": batch["pixel_values"].to(device) if first else None,
+                  "image_grid_thw": batch["image_grid_thw"].to(device)}
         text = to_device({k: batch[k] for k in ("tokens", "labels", "loss_mask")}, device)
         tokens = text["tokens"]
         positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
