@@ -74,7 +74,7 @@ def check_against_config(checkpoint: HFCheckpoint, family: Family) -> None:
                 vision.hf_prefix + child for child, _ in vision.named_children())):
             continue
         for key, want in family.layouts.canonical(name, tuple(tensor.shape)):
-            found = family.layouts.resolve(key, shapes)
+            found = family.layouts.resolve(key, shapes, want)
             if found is None:
                 raise HFCheckpointError(f"{checkpoint.directory}: tensor {key} is in no shard "
                                         f"(config.json describes a model that has it)")
@@ -118,8 +118,9 @@ def local_box(st) -> tuple[tuple[int, int], ...]:
     return tuple((off, off + n) for off, n in zip(st.global_offset, st.local_shape))
 
 
-def plan_reads(model_chunks: Iterable, hf: HFModel) -> list[tuple[str, tuple, Overlap, torch.Tensor]]:
-    """(stored HF key, index into it, overlap, local tensor) for every slice this rank needs."""
+def plan_reads(model_chunks: Iterable, hf: HFModel) -> list[tuple]:
+    """(stored HF key, index into it, overlap, local tensor, whether what is read is stored
+    transposed) for every slice this rank needs."""
     table = hf.family.table(hf.model_config)
     checkpoint = hf.checkpoint
     shapes = {key: info.shape for key, info in checkpoint.tensors.items()}
@@ -139,7 +140,7 @@ def plan_reads(model_chunks: Iterable, hf: HFModel) -> list[tuple[str, tuple, Ov
                 overlap = piece.within(box)
                 if overlap is None:
                     continue
-                found = hf.family.layouts.resolve(piece.hf_key, shapes)
+                found = hf.family.layouts.resolve(piece.hf_key, shapes, piece.hf_shape)
                 if found is None:
                     raise HFCheckpointError(f"{checkpoint.directory}: tensor {piece.hf_key} "
                                             f"(for Megatron {st.key}) is in no shard")
@@ -148,7 +149,8 @@ def plan_reads(model_chunks: Iterable, hf: HFModel) -> list[tuple[str, tuple, Ov
                         f"{checkpoint.where(found.stored)} has shape {list(found.shape)}; "
                         f"{checkpoint.config_path} implies {list(piece.hf_shape)} for "
                         f"{piece.hf_key} (Megatron {st.key})")
-                reads.append((found.stored, found.compose(overlap.hf_index), overlap, st.data))
+                reads.append((found.stored, found.compose(overlap.hf_index), overlap, st.data,
+                              found.transposed))
                 covered += math.prod(s.stop - s.start for s in overlap.local_index)
             if covered != st.data.numel():
                 raise HFCheckpointError(f"{checkpoint.config_path}: the {hf.family.name} table "
@@ -182,8 +184,9 @@ def load_hf_weights(model_chunks, hf_dir, hf: Optional[HFModel] = None,
     report = LoadReport(tensors=len({id(r[3]) for r in reads}))
     with SliceReader(hf.checkpoint, unmap_after_bytes) as reader, torch.no_grad():
         for i in order:
-            stored, index, overlap, local = reads[i]
-            overlap.to_megatron(reader.read(stored, index), local)
+            stored, index, overlap, local, transposed = reads[i]
+            data = reader.read(stored, index)
+            overlap.to_megatron(data.transpose(-1, -2) if transposed else data, local)
             report.reads += 1
         for vision in visions:
             copied = load_vision_weights(vision, hf.checkpoint, reader)

@@ -96,7 +96,7 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
             planned.append(_vision_tensor(vision, key, vision_shapes[key], checkpoint, reader,
                                           loras, source, scaling))
             continue
-        found = hf.family.layouts.resolve(key, shapes)
+        found = hf.family.layouts.resolve(key, shapes, shape)
         if found is None or found.shape != shape:
             raise HFCheckpointError(f"{checkpoint.directory}: tensor {key} {list(shape)} is in "
                                     f"no shard")
@@ -111,6 +111,8 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
 
         def produce(found=found, lora=lora, dtype=dtype):
             weight = reader.read(found.stored, found.index)
+            if found.transposed:
+                weight = weight.transpose(-1, -2)
             return _merged(weight, lora, source, scaling).to(dtype).contiguous()
 
         planned.append(PlannedTensor(key, dtype, tuple(shape), produce))

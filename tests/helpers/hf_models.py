@@ -406,15 +406,15 @@ def build_qwen3_vl_moe(seed: int = 0, **text):
     layer (fp32, eval, random weights)."""
     import transformers
 
-    text_config = dict(
-        # moe_intermediate_size 12: neither it nor twice it equals the width, so transformers
-        # can tell its fused experts' layout from the published transposed one by shape.
+    text_config = {**dict(
+        # moe_intermediate_size 12: neither it nor twice it equals the width, so the fused
+        # experts' layout (transformers' or the transposed published one) shows in the shape.
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=12,
         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOPK, mlp_only_layers=[0],
         max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "mrope_section": [2, 3, 3], "mrope_interleaved": True}, **text)
+                         "mrope_section": [2, 3, 3], "mrope_interleaved": True}), **text}
     vision_config = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2,
                          out_hidden_size=HIDDEN, patch_size=16, spatial_merge_size=2,
                          temporal_patch_size=2, deepstack_visual_indexes=[0])

@@ -90,3 +90,37 @@ def test_peft_adapter_gives_our_image_text_logits(tmp_path):
     # TODO(wip): --merged writes experts one per key, which transformers' Qwen3-VL-MoE does not
     # read (it reads its fused layout and the published transposed one): the merged writer must
     # write the family's fused layout (see QWEN3_VL_MOE_PLAN.md, step 1).
+
+
+def _transpose_experts(directory) -> None:
+    """Rewrite a checkpoint saved by transformers into the published layout: each expert's
+    fused tensors transposed (gate_up_proj [E, H, 2I], down_proj [E, I, H])."""
+    from safetensors.torch import load_file, save_file
+
+    for path in directory.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for key in tensors:
+            if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                tensors[key] = tensors[key].transpose(1, 2).contiguous()
+        save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_the_published_transposed_expert_layout_loads_the_same(tmp_path):
+    model = hf_models.build_qwen3_vl_moe()
+    fused = hf_models.save(model, str(tmp_path / "fused"), layout="fused")
+    published = hf_models.save(model, str(tmp_path / "published"), layout="fused")
+    _transpose_experts(tmp_path / "published")
+    inputs = hf_models.qwen3_vl_inputs()
+    ours = [hf_models.kimi_import_and_run(d, inputs)[0] for d in (fused, published)]
+    torch.testing.assert_close(ours[1], ours[0], rtol=0, atol=0)
+
+
+def test_experts_that_fit_either_layout_are_refused_in_one_line(tmp_path):
+    from megatron_slmoe.hf import HFCheckpointError, open_hf_checkpoint
+
+    # moe_intermediate_size 16: gate_up_proj [E, 32, 32] reads either way round.
+    model = hf_models.build_qwen3_vl_moe(moe_intermediate_size=16)
+    directory = hf_models.save(model, str(tmp_path / "square"), layout="fused")
+    with pytest.raises(HFCheckpointError, match="either way round") as err:
+        open_hf_checkpoint(directory, check_shapes=True)
+    assert len(str(err.value).splitlines()) == 1

@@ -16,9 +16,12 @@ export can write either:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
+
+from megatron_slmoe.hf.errors import HFCheckpointError
 
 
 def template_regex(template: str, text: tuple[str, ...] = ()) -> re.Pattern:
@@ -51,6 +54,9 @@ class FusedExperts:
     fused: str
     parts: tuple[str, ...]
     dim: int = 1
+    transposed: bool = False
+    """Each expert's tensor stored transposed (``[in, out]``: the published Qwen3-VL-MoE
+    checkpoints'), the parts concatenated along the stored tensor's last dimension."""
 
     def to_fused(self, key: str) -> Optional[tuple[str, int, int]]:
         """(fused key, expert, part) of a per-expert key, or None."""
@@ -66,9 +72,27 @@ class FusedExperts:
         if not m:
             return None
         part_shape = list(shape[1:])
-        part_shape[self.dim - 1] //= len(self.parts)
+        if self.transposed:
+            part_shape = [part_shape[-1] // len(self.parts), *part_shape[:-1]]
+        else:
+            part_shape[self.dim - 1] //= len(self.parts)
         return [(part.format(p=m.group("p"), e=e), tuple(part_shape))
                 for e in range(shape[0]) for part in self.parts]
+
+    def locate(self, shape: Sequence[int], expert: int, part: int) -> Optional["Resolved"]:
+        """Where part ``part`` of expert ``expert`` is in a fused tensor of ``shape`` (the
+        ``stored`` name left empty), or None when the tensor has no such expert."""
+        shape = list(shape)
+        if expert >= shape[0] or len(shape) <= self.dim:
+            return None
+        index = [expert] + [slice(0, n) for n in shape[1:]]
+        along = len(shape) - 1 if self.transposed else self.dim
+        size = shape[along] // len(self.parts)
+        index[along] = slice(part * size, (part + 1) * size)
+        stored_shape = tuple(s.stop - s.start for s in index[1:])
+        if self.transposed:
+            stored_shape = (stored_shape[-1], *stored_shape[:-1])
+        return Resolved("", tuple(index), stored_shape, self.transposed)
 
 
 @dataclass(frozen=True)
@@ -79,11 +103,16 @@ class Resolved:
     stored: str
     index: tuple
     shape: tuple[int, ...]
+    transposed: bool = False
+    """The stored piece is the canonical tensor transposed (read it, then transpose)."""
 
     def compose(self, inner: Sequence[slice]) -> tuple:
         """The index into the stored tensor of ``tensor[inner]`` (``inner``: one slice per
-        dimension of the canonical tensor)."""
+        dimension of the canonical tensor; with ``transposed``, what it reads is
+        ``tensor[inner]`` transposed)."""
         out, inner = [], list(inner)
+        if self.transposed:
+            inner = [inner[-1], *inner[:-1]]
         for item in self.index:
             if isinstance(item, int):
                 out.append(item)
@@ -105,24 +134,34 @@ class Layouts:
                 names.append(r.stored + key[len(r.canonical):])
         return names
 
-    def resolve(self, key: str, shapes: Mapping[str, Sequence[int]]) -> Optional[Resolved]:
-        """Where the canonical tensor ``key`` is in a checkpoint whose tensors have ``shapes``."""
+    def resolve(self, key: str, shapes: Mapping[str, Sequence[int]],
+                want: Optional[Sequence[int]] = None) -> Optional[Resolved]:
+        """Where the canonical tensor ``key`` is in a checkpoint whose tensors have ``shapes``.
+        Where one fused name has two layouts (transformers' and the transposed published one),
+        ``want``, the canonical shape, tells them apart; a checkpoint where both fit is
+        refused (its experts' widths make the layout ambiguous)."""
         for name in self._stored_names(key):
             if name in shapes:
                 return Resolved(name, (), tuple(shapes[name]))
+            found = []
             for rule in self.fused:
-                found = rule.to_fused(name)
-                if found is None or found[0] not in shapes:
+                fused = rule.to_fused(name)
+                if fused is None or fused[0] not in shapes:
                     continue
-                fused_key, expert, part = found
-                shape = list(shapes[fused_key])
-                if expert >= shape[0] or len(shape) <= rule.dim:
-                    return None
-                size = shape[rule.dim] // len(rule.parts)
-                index = [expert] + [slice(0, n) for n in shape[1:]]
-                index[rule.dim] = slice(part * size, (part + 1) * size)
-                return Resolved(fused_key, tuple(index),
-                                tuple(s.stop - s.start for s in index[1:]))
+                fused_key, expert, part = fused
+                where = rule.locate(shapes[fused_key], expert, part)
+                if where is not None:
+                    found.append(dataclasses.replace(where, stored=fused_key))
+            if want is not None and len(found) > 1:
+                found = [f for f in found if f.shape == tuple(want)]
+                if len(found) > 1:
+                    raise HFCheckpointError(
+                        f"{found[0].stored} {list(shapes[found[0].stored])}: its experts could "
+                        f"be stored either way round (transformers' layout or the transposed "
+                        f"published one) for {key} {list(want)}; re-save the checkpoint with "
+                        f"transformers (save_original_format=False)")
+            if found:
+                return found[0]
         return None
 
     def canonical(self, key: str, shape: Sequence[int]) -> list[tuple[str, tuple]]:

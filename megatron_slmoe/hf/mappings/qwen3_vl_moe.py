@@ -19,7 +19,8 @@ import torch
 from megatron_slmoe.hf.mappings.family import ConfigReader
 from megatron_slmoe.hf.mappings.kinds import Direct, MappingTable, Rule
 from megatron_slmoe.hf.qwen3_vl_moe import Qwen3VLMoeVision, rope_positions
-from megatron_slmoe.hf.mappings.qwen3_moe import Qwen3MoeFamily
+from megatron_slmoe.hf.mappings.layouts import FusedExperts, Layouts
+from megatron_slmoe.hf.mappings.qwen3_moe import GATED_EXPERTS, Qwen3MoeFamily
 from megatron_slmoe.model.model_file import ModelConfig
 
 LANGUAGE_MODEL, HEAD = "model.language_model", "lm_head"
@@ -31,9 +32,21 @@ VISION_LINEARS = ("visual.blocks.{layer}.attn.qkv", "visual.blocks.{layer}.attn.
 """transformers' names of the linears of Qwen3-VL's tower and mergers (under ``model.``)."""
 
 
+# transformers 5 holds (and writes) the experts as Qwen3-MoE's fused tensors; the published
+# checkpoints store each expert's tensors transposed: gate_up_proj [E, H, 2I], down_proj [E, I, H].
+PUBLISHED_EXPERTS = (
+    FusedExperts("{p}.experts.gate_up_proj",
+                 ("{p}.experts.{e}.gate_proj.weight", "{p}.experts.{e}.up_proj.weight"),
+                 transposed=True),
+    FusedExperts("{p}.experts.down_proj", ("{p}.experts.{e}.down_proj.weight",),
+                 transposed=True),
+)
+
+
 class Qwen3VLMoeFamily(Qwen3MoeFamily):
     name = "qwen3_vl_moe"
     architectures = ("Qwen3VLMoeForConditionalGeneration",)
+    layouts = Layouts(fused=GATED_EXPERTS.fused + PUBLISHED_EXPERTS)
     multimodal = True
     image_token = "<|image_pad|>"
     image_text = "<|vision_start|><|image_pad|><|vision_end|>"
