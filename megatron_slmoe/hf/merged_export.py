@@ -34,8 +34,9 @@ INDEX = "model.safetensors.index.json"
 _TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
-def hf_weights(hf: HFModel) -> list[tuple[str, tuple[int, ...]]]:
-    """(canonical key, shape) of every weight of the model, as save_pretrained names them."""
+def hf_memory_weights(hf: HFModel) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every weight of the model as transformers holds it in memory (experts
+    fused in transformers 5), tied weights once."""
     from megatron_slmoe.hf.peft_export import hf_meta_model
 
     meta = hf_meta_model(hf)
@@ -44,8 +45,27 @@ def hf_weights(hf: HFModel) -> list[tuple[str, tuple[int, ...]]]:
         if id(tensor) in seen:  # tied weights are written once
             continue
         seen.add(id(tensor))
-        out += hf.family.layouts.canonical(name, tuple(tensor.shape))
+        out.append((name, tuple(tensor.shape)))
     return out
+
+
+def hf_weights(hf: HFModel) -> list[tuple[str, tuple[int, ...]]]:
+    """(canonical key, shape) of every weight of the model, as save_pretrained names them."""
+    return [part for name, shape in hf_memory_weights(hf)
+            for part in hf.family.layouts.canonical(name, shape)]
+
+
+def _fused(name: str, shape: tuple, parts: list[PlannedTensor], rule) -> PlannedTensor:
+    """The fused expert tensor ``name`` of ``shape`` [experts, ...] made of its experts' merged
+    tensors ``parts`` (expert after expert, each its ``rule.parts`` in order)."""
+    per_expert = len(rule.parts)
+
+    def produce():
+        tensors = [p.produce() for p in parts]
+        return torch.stack([torch.cat(tensors[e:e + per_expert], dim=rule.dim - 1)
+                            for e in range(0, len(tensors), per_expert)])
+
+    return PlannedTensor(name, parts[0].dtype, shape, produce)
 
 
 def _shards(planned: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
@@ -91,11 +111,7 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
     vision_shapes = {} if vision is None else {
         vision.hf_prefix + name: tuple(t.shape)
         for name, t in vision.state_dict(keep_vars=True).items()}
-    for key, shape in hf_weights(hf):
-        if key in vision_shapes:
-            planned.append(_vision_tensor(vision, key, vision_shapes[key], checkpoint, reader,
-                                          loras, source, scaling))
-            continue
+    def merged_weight(key: str, shape: tuple) -> PlannedTensor:
         found = hf.family.layouts.resolve(key, shapes, shape)
         if found is None or found.shape != shape:
             raise HFCheckpointError(f"{checkpoint.directory}: tensor {key} {list(shape)} is in "
@@ -115,7 +131,20 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
                 weight = weight.transpose(-1, -2)
             return _merged(weight, lora, source, scaling).to(dtype).contiguous()
 
-        planned.append(PlannedTensor(key, dtype, tuple(shape), produce))
+        return PlannedTensor(key, dtype, tuple(shape), produce)
+
+    for name, shape in hf_memory_weights(hf):
+        if name in vision_shapes:
+            planned.append(_vision_tensor(vision, name, vision_shapes[name], checkpoint, reader,
+                                          loras, source, scaling))
+            continue
+        parts = [merged_weight(key, part_shape)
+                 for key, part_shape in hf.family.layouts.canonical(name, shape)]
+        rule = hf.family.layouts.fused_rule(name, shape)
+        if rule is None or not hf.family.merged_experts_fused:
+            planned += parts
+        else:
+            planned.append(_fused(name, shape, parts, rule))
     if loras:
         raise HFCheckpointError(f"the adapter has LoRA for {next(iter(loras))}, which the "
                                 f"{hf.family.name} model does not have")

@@ -43,9 +43,11 @@ def test_image_text_logits_match_transformers(tmp_path):
 def test_peft_adapter_gives_our_image_text_logits(tmp_path):
     """LoRA on the language model, the tower's fused q/k/v and output projections, and the
     mergers (DeepStack's too), every factor random: the exported PEFT adapter on transformers'
-    model gives our image+text logits."""
+    model, and the merged checkpoint (experts fused, which transformers reads for this family),
+    give our image+text logits."""
     from peft import PeftModel
     from safetensors import safe_open
+    from transformers import Qwen3VLMoeForConditionalGeneration
 
     from megatron_slmoe.commands.convert_hf import main as convert_hf
     from megatron_slmoe.lora.adapter import save_adapter
@@ -87,9 +89,11 @@ def test_peft_adapter_gives_our_image_text_logits(tmp_path):
                                            str(tmp_path / "peft")).eval()
     torch.testing.assert_close(logits_of(peft_model), ours, rtol=1e-5, atol=2e-5)
     assert (logits_of(peft_model) - logits_of(base)).abs().max() > 0.1
-    # TODO(wip): --merged writes experts one per key, which transformers' Qwen3-VL-MoE does not
-    # read (it reads its fused layout and the published transposed one): the merged writer must
-    # write the family's fused layout (see QWEN3_VL_MOE_PLAN.md, step 1).
+    assert convert_hf(["export", "--adapter", str(tmp_path / "adapter"), "--hf-checkpoint",
+                       hf_dir, "--output", str(tmp_path / "merged"), "--merged"]) == 0
+    merged = Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        str(tmp_path / "merged"), dtype=torch.float32, attn_implementation="eager").eval()
+    torch.testing.assert_close(logits_of(merged), ours, rtol=1e-5, atol=1e-4)
 
 
 def _transpose_experts(directory) -> None:

@@ -110,6 +110,10 @@ class Family:
     """Whether the checkpoint holds a vision tower and projector beside the language model."""
     image_token: str = ""
     """A multimodal family's placeholder token: one per image token in the ids."""
+    merged_experts_fused: bool = False
+    """Merged checkpoints hold the routed experts as transformers 5 does in memory (fused 3D
+    tensors), where transformers reads no other layout but the published one; else one tensor
+    per expert, as ``save_pretrained`` writes by default."""
     image_text: str = ""
     """How a multimodal family writes one image in a conversation (``image_token`` once, which
     is then repeated to the image's tokens)."""

@@ -164,6 +164,11 @@ class Layouts:
                 return found[0]
         return None
 
+    def fused_rule(self, key: str, shape: Sequence[int]) -> Optional[FusedExperts]:
+        """The rule of a tensor named as transformers holds it in memory, when it is fused."""
+        return next((rule for rule in self.fused if rule.from_fused(key, shape) is not None),
+                    None)
+
     def canonical(self, key: str, shape: Sequence[int]) -> list[tuple[str, tuple]]:
         """The canonical (key, shape) pairs of a tensor named as transformers holds it in memory
         (fused experts, renamed prefix): the inverse of :meth:`resolve`."""
