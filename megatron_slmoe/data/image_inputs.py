@@ -24,7 +24,7 @@ import torch
 
 from megatron_slmoe.data.config import IMAGE_TOKEN
 from megatron_slmoe.data.image import ImagePreprocessConfig, decode_image, preprocess_image
-from megatron_slmoe.data.native_resolution import NativeResolutionConfig, image_patches
+from megatron_slmoe.data.native_resolution import NativeResolutionConfig
 
 
 class ImageCountMismatch(ValueError):
@@ -92,7 +92,7 @@ class NativeResolutionImages:
     writes one image in its text, holding the placeholder token ``image_token`` (id
     ``image_token_id``) once."""
 
-    def __init__(self, config: NativeResolutionConfig, image_token: str, image_token_id: int,
+    def __init__(self, config, image_token: str, image_token_id: int,
                  image_text: str):
         if image_text.count(image_token) != 1:
             raise ValueError(f"image text {image_text!r} must hold {image_token!r} once")
@@ -111,11 +111,10 @@ class NativeResolutionImages:
     def pixels(self, images: Sequence[bytes]) -> Dict[str, torch.Tensor]:
         patches, grids = [], []
         for data in images:
-            values, grid = image_patches(decode_image(data), self.config)
+            values, grid = self.config.patches(decode_image(data))
             patches.append(values)
             grids.append(grid)
-        p = self.config.patch_size
-        return {"pixel_values": torch.cat(patches) if patches else torch.zeros(0, 3, p, p),
+        return {"pixel_values": torch.cat(patches) if patches else self.config.empty(),
                 "image_grid_thw": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)}
 
     def expand(self, ids: List[int], targets: List[int], pixels: Dict[str, torch.Tensor]

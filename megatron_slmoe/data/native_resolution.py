@@ -104,6 +104,60 @@ class NativeResolutionConfig:
         """Patches that become one language token."""
         return self.merge_size ** 2
 
+    def patches(self, image) -> Tuple[torch.Tensor, Tuple[int, int, int]]:
+        return image_patches(image, self)
+
+    def empty(self) -> torch.Tensor:
+        """``pixel_values`` of no image."""
+        return torch.zeros(0, 3, self.patch_size, self.patch_size)
+
+
+class Qwen2VLPatches:
+    """Images as Qwen2-VL's image processor makes them (Qwen3-VL-MoE's checkpoints name it), by
+    transformers' own PIL implementation of it (``Qwen2VLImageProcessorPil``, which needs no
+    torchvision) with the checkpoint's settings: resized within the pixel budget to a multiple
+    of ``patch_size * merge_size`` a side, each frame repeated over ``temporal_patch_size``,
+    flattened patches ``[patches, channels * temporal * patch * patch]`` in merge order."""
+
+    def __init__(self, processor) -> None:
+        self.processor = processor
+
+    @classmethod
+    def from_preprocessor_config(cls, path: str) -> "Qwen2VLPatches":
+        """One DataError line naming the file when it is missing, unreadable or refused."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise DataError(f"{path}: missing (the image processor's settings; a multimodal "
+                            f"checkpoint ships it)") from None
+        except (OSError, ValueError) as err:
+            raise DataError(f"{path}: not readable JSON ({err})") from None
+        kind = raw.get("image_processor_type", "") if isinstance(raw, dict) else ""
+        if not kind.startswith("Qwen2VLImageProcessor"):
+            raise DataError(f"{path}: image_processor_type {kind!r} is not Qwen2-VL's (the "
+                            f"checkpoint's config.json names a Qwen3-VL model)")
+        try:
+            return cls(Qwen2VLImageProcessorPil.from_dict(raw))
+        except (TypeError, ValueError) as err:
+            raise DataError(f"{path}: {' '.join(str(err).split())}") from None
+
+    @property
+    def tokens_per_merge(self) -> int:
+        return self.processor.merge_size ** 2
+
+    def patches(self, image) -> Tuple[torch.Tensor, Tuple[int, int, int]]:
+        out = self.processor(images=[image], return_tensors="pt")
+        return out["pixel_values"].float(), tuple(int(v) for v in out["image_grid_thw"][0])
+
+    def empty(self) -> torch.Tensor:
+        p = self.processor
+        return torch.zeros(0, 3 * p.temporal_patch_size * p.patch_size ** 2)
+
 
 def _from_published(cfg, path: str) -> dict:
     """The published checkpoints' ``media_proc_cfg`` in transformers' names."""

@@ -202,10 +202,14 @@ class TextGenerator:
         generators = [] if sampling.greedy else [prompt_generator(sampling.seed, i) for i in indices]
         context = StaticInferenceContext(batch, total + extra) if self.use_kv_cache else None
 
+        rope_3BS = self._rope_positions(rows, total)
         done_upto, position = 0, start_at
         while position < total:
             start = done_upto if context is not None else 0
-            positions_BS = torch.arange(start, position, device=self.device).expand(batch, -1)
+            if rope_3BS is not None:  # the whole prefix: Megatron slices this step's part
+                positions_BS = rope_3BS[:, :, :position]
+            else:
+                positions_BS = torch.arange(start, position, device=self.device).expand(batch, -1)
             # The images go in with the first forward of the sequence (every forward without a
             # cache); with a cache, later steps read them from it.
             with_images = images if start == 0 else None
@@ -230,6 +234,25 @@ class TextGenerator:
                 generated = generated[:generated.index(self.eos_id)]
             outputs.append(generated)
         return outputs
+
+    def _rope_positions(self, rows: list[_Row], total: int) -> Optional[torch.Tensor]:
+        """[3, B, total] rotary positions of a model with multimodal ones (Qwen3-VL's M-RoPE,
+        ``TowerLanguageModel.positions``): each prompt's from its ids and image grids, the
+        generated tokens' one after another from the prompt's largest, on every axis (as
+        transformers' generate continues them); None for plain positions."""
+        positions = getattr(self.module, "positions", None) if self.tower else None
+        if positions is None:
+            return None
+        rope = torch.empty(3, len(rows), total, dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(rows):
+            tokens = torch.tensor([prompt.tokens], dtype=torch.long, device=self.device)
+            grid = (None if prompt.image_grid_thw is None
+                    else prompt.image_grid_thw.to(self.device))
+            prompt_rope = positions(tokens, grid)[:, 0]  # [3, prompt length]
+            after = torch.arange(total - len(prompt.tokens), device=self.device)
+            rope[:, row, :len(prompt.tokens)] = prompt_rope
+            rope[:, row, len(prompt.tokens):] = int(prompt_rope.max()) + 1 + after
+        return rope
 
     def _forward(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor,
                  context: Optional[StaticInferenceContext], images, length: int

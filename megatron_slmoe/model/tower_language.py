@@ -121,7 +121,7 @@ class TowerLanguageModel(MegatronModule):
                 image_grid_thw: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, **kwargs):
         decoder_input = None
-        if self.positions is not None:
+        if self.positions is not None and position_ids.dim() == 2:  # text positions given
             position_ids = self.positions(input_ids, image_grid_thw)
         self._deepstack = []
         try:

@@ -128,3 +128,36 @@ def test_experts_that_fit_either_layout_are_refused_in_one_line(tmp_path):
     with pytest.raises(HFCheckpointError, match="either way round") as err:
         open_hf_checkpoint(directory, check_shapes=True)
     assert len(str(err.value).splitlines()) == 1
+
+
+def test_greedy_answers_equal_transformers_generate(tmp_path):
+    """The package's generator (images in the KV cache with the prefill, the whole prefix's 3D
+    positions each step, generated tokens continuing from the prompt's largest position) gives
+    transformers' greedy ``generate`` on prompts of two lengths with images of two grids."""
+    from megatron_slmoe.data.image_text import GenerationPrompt
+    from megatron_slmoe.inference.generator import TextGenerator
+
+    model = hf_models.build_qwen3_vl_moe()
+    hf_dir = hf_models.save(model, str(tmp_path / "qwen3vl"), layout="fused")
+    inputs = hf_models.qwen3_vl_inputs()
+    patches = (inputs["image_grid_thw"].prod(-1)).tolist()
+    pixels = inputs["pixel_values"].split(patches)
+    grids = inputs["image_grid_thw"]
+    prompts = [GenerationPrompt(tokens=inputs["input_ids"][row, :length].tolist(),
+                                images=pixels[row], image_grid_thw=grids[row:row + 1])
+               for row, length in enumerate((12, 10))]
+    ours_model, _ = hf_models.load_kimi(hf_dir)
+    eos = hf_models.VOCAB - 1
+    answers = TextGenerator(ours_model, eos, hf_models.VOCAB).generate(prompts, 6)
+    assert sum(len(a) for a in answers) > 4
+    for prompt, answer in zip(prompts, answers):
+        ids = torch.tensor([prompt.tokens])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, pixel_values=prompt.images,
+                                 image_grid_thw=prompt.image_grid_thw,
+                                 mm_token_type_ids=(ids == hf_models.QWEN3_VL_IMAGE_TOKEN).int(),
+                                 max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=eos)
+        theirs = out[0, ids.shape[1]:].tolist()
+        theirs = theirs[:theirs.index(eos)] if eos in theirs else theirs
+        assert answer == theirs

@@ -110,6 +110,9 @@ class Family:
     """Whether the checkpoint holds a vision tower and projector beside the language model."""
     image_token: str = ""
     """A multimodal family's placeholder token: one per image token in the ids."""
+    image_processor: str = "native_resolution"
+    """How images become the tower's patches (``data.native_resolution``): ``native_resolution``
+    (Kimi-K2.5's processor) or ``qwen2_vl`` (transformers' Qwen2-VL image processor)."""
     merged_experts_fused: bool = False
     """Merged checkpoints hold the routed experts as transformers 5 does in memory (fused 3D
     tensors), where transformers reads no other layout but the published one; else one tensor

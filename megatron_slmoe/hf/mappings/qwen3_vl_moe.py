@@ -48,6 +48,7 @@ class Qwen3VLMoeFamily(Qwen3MoeFamily):
     architectures = ("Qwen3VLMoeForConditionalGeneration",)
     layouts = Layouts(fused=GATED_EXPERTS.fused + PUBLISHED_EXPERTS)
     merged_experts_fused = True  # transformers reads no per-expert keys for this family
+    image_processor = "qwen2_vl"
     multimodal = True
     image_token = "<|image_pad|>"
     image_text = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -77,15 +77,17 @@ def image_input(vision: VisionConfig, settings: ImageTextConfig, hf, tokenizer):
         return TiledImages(ImagePreprocessConfig.from_sections(vision, settings),
                            vision.image_token_index, vision.num_image_embeddings)
     from megatron_slmoe.data.instruction import render_chat
-    from megatron_slmoe.data.native_resolution import NativeResolutionConfig
+    from megatron_slmoe.data.native_resolution import NativeResolutionConfig, Qwen2VLPatches
 
     checkpoint, family = hf.checkpoint, hf.family
     if not family.multimodal or not family.image_text:
         raise DataError(f"{checkpoint.directory}: a {family.name} checkpoint has no image input "
                         f"here (its language model fine-tunes with --task text)")
     image_token_id = family.hf_config(checkpoint.config_path).image_token_id
-    config = NativeResolutionConfig.from_preprocessor_config(
-        os.path.join(checkpoint.directory, "preprocessor_config.json"))
+    processor = os.path.join(checkpoint.directory, "preprocessor_config.json")
+    config = (Qwen2VLPatches.from_preprocessor_config(processor)
+              if family.image_processor == "qwen2_vl"
+              else NativeResolutionConfig.from_preprocessor_config(processor))
     images = NativeResolutionImages(config, family.image_token, image_token_id, family.image_text)
     # One image in the checkpoint's chat template must give one placeholder with config.json's
     # id (else every record would be skipped as an image count mismatch).
