@@ -1,6 +1,6 @@
-"""Qwen3-VL-MoE as an image-text model (WORK IN PROGRESS, branch wip/qwen3-vl-moe):
-transformers' Qwen3-VL vision tower, merger and DeepStack mergers in front of our Megatron-Core
-Qwen3-MoE language model (``model.tower_language.TowerLanguageModel``).
+"""Qwen3-VL-MoE as an image-text model: transformers' Qwen3-VL vision tower, merger and
+DeepStack mergers in front of our Megatron-Core Qwen3-MoE language model
+(``model.tower_language.TowerLanguageModel``).
 
 The tower is transformers' module, replicated on the first pipeline stage, for the reasons
 ``hf.kimi_k25`` gives (native resolution, a resampled learned position table, 2D rotary
@@ -41,6 +41,14 @@ class Qwen3VLMoeVision(torch.nn.Module):
     @property
     def deepstack_layers(self) -> int:
         return len(self.visual.config.deepstack_visual_indexes)
+
+    def layer_shape(self) -> dict[str, int]:
+        """What the memory check prices per tower layer (``hf.tower_model.vision_census``; its
+        activation rules are MoonViT's, held to autograd there, not yet to this tower)."""
+        config = self.visual.config
+        return {"layers": config.depth, "hidden": config.hidden_size,
+                "heads": config.num_heads, "ffn_hidden": config.intermediate_size,
+                "patches_per_position": config.spatial_merge_size ** 2}
 
     def blank_image(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The smallest input the tower takes (one merged patch of zeros) and its grid."""

@@ -42,6 +42,7 @@ def check_inputs(run: RunConfig, world_size: int, platform) -> None:
     # --no-hf-shape-check) every tensor's shape against config.json.
     model_config, hf = open_model(run.model, check_shapes=run.model.hf_shape_check)
     _check_model_fits_run(run, model_config)
+    _check_deepstack(run, model_config, hf)
     tokenizer = _check_tokenizer(run, model_config)
     _check_base_checkpoint(run, model_config, tokenizer)
     _check_adapter_init(run, model_config, tokenizer)
@@ -243,6 +244,27 @@ def _check_model_fits_run(run: RunConfig, model_config) -> None:
         raise ConfigError(f"--seq-length {data.seq_length} exceeds the model's "
                           f"max_sequence_length {model_config.max_sequence_length} "
                           f"({model_config.source})")
+
+
+def _check_deepstack(run: RunConfig, model_config, hf) -> None:
+    """A tower whose DeepStack features go into the first decoder layers (Qwen3-VL): those
+    layers on the first pipeline stage, where the tower is; and no full recompute, which would
+    recompute the layers without the features (``model.tower_language``)."""
+    layers = hf.family.deepstack_layers(hf.family.hf_config(hf.checkpoint.config_path)) if (
+        hf is not None and hf.family.multimodal) else 0
+    if not layers:
+        return
+    parallel = run.parallel
+    if parallel.recompute_granularity == "full":
+        raise ConfigError(f"--recompute-granularity full: {hf.checkpoint.config_path}'s tower "
+                          f"adds DeepStack features to the first {layers} decoder layers, which "
+                          f"a full recompute would recompute without them; use selective")
+    first_stage = model_config.transformer["num_layers"] // parallel.pipeline_model_parallel_size
+    if first_stage < layers:
+        raise ConfigError(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}"
+                          f": the first stage would hold {first_stage} decoder layers; "
+                          f"{hf.checkpoint.config_path}'s tower adds DeepStack features to the "
+                          f"first {layers}")
 
 
 def _check_tokenizer(run: RunConfig, model_config):

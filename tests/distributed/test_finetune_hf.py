@@ -12,6 +12,12 @@ the weights, and the tokenizer (with its chat template) is the checkpoint's.
   the held-out loss before training is transformers' on the same image+text batches, LoRA on the
   language model, the tower's attention and the projector trains, and PEFT's model with the
   exported adapter gives the trained model's image+text logits;
+- Qwen3-VL-MoE (a Qwen3-VL tower with DeepStack before a Qwen3-MoE language model with M-RoPE)
+  as users get it (tokenizer with Qwen's vision tokens, Qwen2-VL's image processor settings):
+  the token ids are transformers', the held-out loss before training is transformers' under
+  EP=2, ten LoRA steps train and PEFT's model with the exported adapter gives our logits; full
+  recompute, DeepStack layers beyond the first pipeline stage and another processor's settings
+  are refused in one line;
 - the entry point's checks before start-up pass on it; the launcher (``HF_CHECKPOINT``) refuses
   a truncated shard in one line, exit code 2, before torchrun starts (``--validate-only``).
 """
@@ -483,3 +489,145 @@ def test_launcher_refuses_a_truncated_shard_before_torchrun(checkpoint, tmp_path
     assert len(lines) == 1 and lines[0].startswith("error: --hf-checkpoint: "), proc.stderr
     assert "model.safetensors" in lines[0] and "truncated" in lines[0]
     assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+# --- Qwen3-VL-MoE: Qwen2-VL's image processor, DeepStack, M-RoPE --------------------------------
+
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+def _qwen3_vl_image_text_model(image_token_id: int):
+    return hf_models.build_qwen3_vl_moe(vocab_size=VOCAB,
+                                        max_position_embeddings=IMAGE_TEXT_SEQ,
+                                        image_token_id=image_token_id)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_image_text_checkpoint(tmp_path_factory):
+    """Qwen3-VL-MoE as users get it: the weights, a tokenizer holding Qwen's vision tokens (the
+    image placeholder is config.json's image_token_id) and Qwen2-VL's image processor
+    settings (the shapes' 32x32 images are scaled up to 64x64: 4x4 patches, 4 image tokens)."""
+    import json
+
+    import tokenizers
+
+    hf_dir = tmp_path_factory.mktemp("hf-image-text") / "qwen3-vl-moe"
+    hf_dir.mkdir()
+    hf_models.save_chatml_tokenizer(hf_dir)
+    backend = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    backend.add_special_tokens(list(QWEN_VISION_TOKENS))
+    backend.save(str(hf_dir / "tokenizer.json"))
+    model = _qwen3_vl_image_text_model(backend.token_to_id("<|image_pad|>"))
+    hf_models.save(model, str(hf_dir), layout="fused")
+    (hf_dir / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16,
+        "temporal_patch_size": 2, "merge_size": 2,
+        "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    return hf_dir, model
+
+
+def _qwen3_vl_logits(model, inputs: dict) -> torch.Tensor:
+    image = inputs["input_ids"] == model.config.image_token_id
+    with torch.no_grad():
+        return model(**inputs, mm_token_type_ids=image.int()).logits.float()
+
+
+def test_qwen3_vl_moe_fine_tunes_on_image_questions(qwen3_vl_image_text_checkpoint, tmp_path):
+    """``--task image-text --hf-checkpoint`` on Qwen3-VL-MoE under EP=2: the token ids are
+    transformers' (its chat template, each image written <|vision_start|><|image_pad|>
+    <|vision_end|> with the placeholder repeated per merged patch); the held-out loss before
+    training is transformers'; ten steps of LoRA on the language model, the tower's attention
+    and the mergers train, and PEFT's model with the exported adapter gives our logits."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from megatron_slmoe.data.image_text import ImageTextDataset, collate_image_text
+    from megatron_slmoe.data.sampler import micro_batches
+    from megatron_slmoe.data.shapes import ensure_shapes_task
+    from megatron_slmoe.data.tokenizer import load_tokenizer
+
+    hf_dir, model = qwen3_vl_image_text_checkpoint
+    output, peft_dir = tmp_path / "run", tmp_path / "peft"
+    args = _args(hf_dir, output, "--task", "image-text", "--expert-model-parallel-size", "2",
+                 "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1",
+                 "linear_fc2", "vision_attention", "projector", "--export-hf", str(peft_dir),
+                 "--export-hf-layout", "fused", "--eval-answers", "0")
+    args[args.index("--seq-length") + 1] = str(IMAGE_TEXT_SEQ)
+    args[args.index("--train-iters") + 1] = "10"
+    ensure_shapes_task(str(output / "data" / "shapes"))
+    tokenizer = load_tokenizer(str(hf_dir))
+    images = hf_models.kimi_image_input(str(hf_dir), tokenizer)
+    valid = ImageTextDataset(str(output / "data" / "shapes" / "vqa"), tokenizer,
+                             IMAGE_TEXT_SEQ, images=images, split="val", shuffle=False)
+    batches = [collate_image_text([valid[i] for i in part])
+               for part in micro_batches(range(GLOBAL_BATCH), MICRO_BATCH)]
+    batch = batches[0]
+    assert batch["image_grid_thw"][0].tolist() == [1, 4, 4]
+    messages, _, _ = valid._read(0)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    text = hf_tokenizer.apply_chat_template(
+        [{**m, "content": m["content"].replace(
+            "<image>", "<|vision_start|><|image_pad|><|vision_end|>")} for m in messages],
+        tokenize=False).replace("<|image_pad|>", "<|image_pad|>" * 4)
+    ids = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert batch["tokens"][0, :len(ids) - 1].tolist() == ids[:-1]
+    inputs = {"input_ids": batch["tokens"], "pixel_values": batch["pixel_values"],
+              "image_grid_thw": batch["image_grid_thw"]}
+    results = run_ranks(_image_text_run, 2, ep=2, args=args, output=str(output),
+                        hf_dir=str(hf_dir), batch=inputs, timeout=600.0)
+    (summary, ours), (_, ours_1) = results
+    torch.testing.assert_close(ours, ours_1)
+    theirs_before = []
+    for b in batches:
+        logits = _qwen3_vl_logits(model, {"input_ids": b["tokens"],
+                                          "pixel_values": b["pixel_values"],
+                                          "image_grid_thw": b["image_grid_thw"]})
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), b["labels"],
+                                                 reduction="none")
+        mask = b["loss_mask"].float()
+        theirs_before.append(float((loss * mask).sum() / mask.sum()))
+    assert summary["eval_loss_before"] == pytest.approx(
+        sum(theirs_before) / len(theirs_before), rel=1e-5)
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    peft_model = PeftModel.from_pretrained(
+        _qwen3_vl_image_text_model(model.config.image_token_id), str(peft_dir)).eval()
+    theirs = _qwen3_vl_logits(peft_model, inputs)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=2e-5)
+    assert (theirs - _qwen3_vl_logits(model, inputs)).abs().max() > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("case,message", [
+    ("full recompute", "a full recompute would recompute without them"),
+    ("DeepStack beyond the first stage", "the first stage would hold 1 decoder layers"),
+    ("Kimi's processor settings", "is not Qwen2-VL's"),
+])
+def test_qwen3_vl_moe_refusals_in_one_line(qwen3_vl_image_text_checkpoint, tmp_path, capsys,
+                                           monkeypatch, case, message):
+    import json
+
+    from megatron_slmoe.training.finetune import main
+
+    hf_dir, extra = qwen3_vl_image_text_checkpoint[0], []
+    if case == "full recompute":
+        extra = ["--recompute-granularity", "full"]
+    elif case == "DeepStack beyond the first stage":
+        bare = tmp_path / "deepstack"
+        shutil.copytree(hf_dir, bare)
+        config = json.loads((bare / "config.json").read_text())
+        config["vision_config"]["deepstack_visual_indexes"] = [0, 1]
+        (bare / "config.json").write_text(json.dumps(config))
+        # (the second DeepStack merger's weights are not there: the check comes before)
+        hf_dir, extra = bare, ["--pipeline-model-parallel-size", "2", "--no-hf-shape-check"]
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    else:
+        bare = tmp_path / "kimi-processor"
+        shutil.copytree(hf_dir, bare)
+        (bare / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Kimi_K25ImageProcessor", "patch_size": 14}))
+        hf_dir = bare
+    args = _args(hf_dir, tmp_path / "run", "--task", "image-text", "--validate-only", *extra)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "run").exists()

@@ -400,7 +400,7 @@ def kimi_import_and_run(hf_dir: str, inputs: dict):
 QWEN3_VL_IMAGE_TOKEN = 60
 
 
-def build_qwen3_vl_moe(seed: int = 0, **text):
+def build_qwen3_vl_moe(seed: int = 0, image_token_id: int = QWEN3_VL_IMAGE_TOKEN, **text):
     """A tiny Qwen3VLMoeForConditionalGeneration: the Qwen3-MoE test model's sizes with
     interleaved M-RoPE (sections 2, 3, 3 of head_dim 16), a 2-layer tower with one DeepStack
     layer (fp32, eval, random weights)."""
@@ -419,7 +419,7 @@ def build_qwen3_vl_moe(seed: int = 0, **text):
                          out_hidden_size=HIDDEN, patch_size=16, spatial_merge_size=2,
                          temporal_patch_size=2, deepstack_visual_indexes=[0])
     config = transformers.Qwen3VLMoeConfig(text_config=text_config, vision_config=vision_config,
-                                           image_token_id=QWEN3_VL_IMAGE_TOKEN, video_token_id=61,
+                                           image_token_id=image_token_id, video_token_id=61,
                                            vision_start_token_id=62, vision_end_token_id=63,
                                            tie_word_embeddings=False)
     config._attn_implementation = "eager"

@@ -144,6 +144,10 @@ class Family:
         model), built on ``device``."""
         return None
 
+    def deepstack_layers(self, hf_config) -> int:
+        """How many of the first decoder layers take DeepStack features from the tower."""
+        return 0
+
     def hf_config(self, path: str):
         """The transformers config of ``config.json`` (for the shape check on the meta device),
         without its quantization settings: the weights are dequantised on read."""

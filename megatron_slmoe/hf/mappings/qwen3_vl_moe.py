@@ -1,12 +1,13 @@
 """Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): a Qwen3-MoE language model with
-interleaved multimodal rotary positions and DeepStack, behind a ViT with 2D rotary positions.
+interleaved multimodal rotary positions (``model.mrope``) and DeepStack, behind transformers'
+Qwen3-VL tower and mergers (``hf.qwen3_vl_moe``).
 
-WORK IN PROGRESS (branch wip/qwen3-vl-moe): the language model alone, for text. With text only
-the three rotary positions are equal, so the interleaved M-RoPE is 1D RoPE (``model.mrope``) and
-DeepStack adds nothing: the text model is Qwen3-MoE's under ``model.language_model.``. The router
-always renormalises the chosen experts' weights (there is no ``norm_topk_prob``). Whether the
-output layer is the embedding is the top-level ``tie_word_embeddings`` (default false), not the
-text config's.
+The language model is Qwen3-MoE's table under ``model.language_model.``; its router always
+renormalises the chosen experts' weights (there is no ``norm_topk_prob``). Whether the output
+layer is the embedding is the top-level ``tie_word_embeddings`` (default false), not the text
+config's. The experts are read in transformers 5's fused layout or the published checkpoints'
+transposed one; merged checkpoints are written fused, which transformers reads for this family
+(it reads no per-expert keys).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class Qwen3VLMoeFamily(Qwen3MoeFamily):
     def vision_module(self, hf_config, device: str = "cpu"):
         with torch.device(device):
             return Qwen3VLMoeVision(hf_config)
+
+    def deepstack_layers(self, hf_config) -> int:
+        return len(hf_config.vision_config.deepstack_visual_indexes)
 
     def rope_positions(self, hf_config):
         """positions(input_ids, image_grid_thw) -> [3, B, S]: the language model's rotary
