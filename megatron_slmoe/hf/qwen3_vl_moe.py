@@ -75,8 +75,31 @@ def rope_positions(hf_config, input_ids: torch.Tensor,
     model = SimpleNamespace(
         config=hf_config,
         get_vision_position_ids=partial(Qwen3VLMoeModel.get_vision_position_ids, None))
-    types = (input_ids == hf_config.image_token_id).int()
+    image = input_ids == hf_config.image_token_id
     grids = None if image_grid_thw is None or image_grid_thw.shape[0] == 0 else image_grid_thw
+    _check_image_runs(image, grids, hf_config.vision_config.spatial_merge_size ** 2)
+    types = image.int()
     positions, _ = Qwen3VLMoeModel.get_rope_index(
         model, input_ids.cpu(), types.cpu(), image_grid_thw=None if grids is None else grids.cpu())
     return positions.to(input_ids.device)
+
+
+def _check_image_runs(image: torch.Tensor, grids, per_token: int) -> None:
+    """Each run of image placeholders (``image`` [B, S], row after row) is one image of
+    ``grids`` with one placeholder per merged patch; else ``ImageTokenMismatch`` (one line), on
+    every pipeline stage (later stages never see the embeddings)."""
+    from megatron_slmoe.model.tower_language import ImageTokenMismatch
+
+    runs = []
+    for row in image.cpu().tolist():
+        length = 0
+        for is_image in row + [False]:
+            if is_image:
+                length += 1
+            elif length:
+                runs.append(length)
+                length = 0
+    wanted = [] if grids is None else [int(g) // per_token for g in grids.prod(-1).tolist()]
+    if runs != wanted:
+        raise ImageTokenMismatch(f"the batch's image placeholders come in runs of {runs}, its "
+                                 f"images take {wanted} (one placeholder per merged patch)")

@@ -160,6 +160,7 @@ class TextGenerator:
             batch = batches[-1] if batches else None
             if (batch is not None and len(batch) < self.max_batch_size
                     and rows[batch[0]].extra_positions == rows[i].extra_positions
+                    and (rows[batch[0]].images is None) == (rows[i].images is None)
                     and max(rows[j].last_image_at for j in batch + [i])
                     < min(len(rows[j].tokens) for j in batch + [i])):
                 batch.append(i)

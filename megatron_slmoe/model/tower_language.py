@@ -91,7 +91,9 @@ class TowerLanguageModel(MegatronModule):
             # A trained tower stays in the graph (its gradients zero) when no image came:
             # Megatron's DDP waits for a gradient of every trained parameter.
             blank = self.vision(*self.vision.blank_image(embeddings.device))
-            embeddings = embeddings + 0.0 * blank.sum().to(embeddings.dtype)
+            blank, deepstack = blank if isinstance(blank, tuple) else (blank, [])
+            total = blank.sum() + sum(d.sum() for d in deepstack)  # every merger trained too
+            embeddings = embeddings + 0.0 * total.to(embeddings.dtype)
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
             self._deepstack = [tensor_parallel.scatter_to_sequence_parallel_region(d)
@@ -121,8 +123,8 @@ class TowerLanguageModel(MegatronModule):
                 image_grid_thw: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, **kwargs):
         decoder_input = None
-        if self.positions is not None and position_ids.dim() == 2:  # text positions given
-            position_ids = self.positions(input_ids, image_grid_thw)
+        if self.positions is not None and (position_ids is None or position_ids.dim() == 2):
+            position_ids = self.positions(input_ids, image_grid_thw)  # from text positions
         self._deepstack = []
         try:
             if self.pre_process:

@@ -248,14 +248,15 @@ def _check_model_fits_run(run: RunConfig, model_config) -> None:
 
 def _check_deepstack(run: RunConfig, model_config, hf) -> None:
     """A tower whose DeepStack features go into the first decoder layers (Qwen3-VL): those
-    layers on the first pipeline stage, where the tower is; and no full recompute, which would
-    recompute the layers without the features (``model.tower_language``)."""
+    layers on the first pipeline stage, where the tower is; and, with images, no full
+    recompute, which would recompute the layers without the features
+    (``model.tower_language``)."""
     layers = hf.family.deepstack_layers(hf.family.hf_config(hf.checkpoint.config_path)) if (
         hf is not None and hf.family.multimodal) else 0
     if not layers:
         return
     parallel = run.parallel
-    if parallel.recompute_granularity == "full":
+    if parallel.recompute_granularity == "full" and run.data.task == "image-text":
         raise ConfigError(f"--recompute-granularity full: {hf.checkpoint.config_path}'s tower "
                           f"adds DeepStack features to the first {layers} decoder layers, which "
                           f"a full recompute would recompute without them; use selective")

@@ -1,7 +1,12 @@
 """Qwen3-VL-MoE import on one rank: a tiny random Qwen3VLMoeForConditionalGeneration saved by
 transformers (Qwen3-VL tower with DeepStack, Qwen3-MoE language model with interleaved M-RoPE):
 its logits equal transformers' (fp32, 1e-5) on text and on image+text batches (two images of
-different patch grids; DeepStack's features change transformers' logits, so ours carry them)."""
+different patch grids; DeepStack's features change transformers' logits, so ours carry them), in
+transformers' expert layout and the published transposed one (and for square experts, read as
+transformers reads them); LoRA on the language model, the tower's fused q/k/v and projections
+and the mergers exports as a PEFT adapter and a merged checkpoint with our logits; greedy
+answers equal ``generate``; placeholders that do not match the images are one line; a trained
+tower keeps its gradients without images."""
 
 import pytest
 import torch
@@ -119,15 +124,53 @@ def test_the_published_transposed_expert_layout_loads_the_same(tmp_path):
     torch.testing.assert_close(ours[1], ours[0], rtol=0, atol=0)
 
 
-def test_experts_that_fit_either_layout_are_refused_in_one_line(tmp_path):
-    from megatron_slmoe.hf import HFCheckpointError, open_hf_checkpoint
-
-    # moe_intermediate_size 16: gate_up_proj [E, 32, 32] reads either way round.
+def test_square_experts_load_as_transformers_reads_them(tmp_path):
+    # moe_intermediate_size 16: gate_up_proj [E, 32, 32] fits either layout; transformers
+    # reads it as it is stored, and so do we.
     model = hf_models.build_qwen3_vl_moe(moe_intermediate_size=16)
     directory = hf_models.save(model, str(tmp_path / "square"), layout="fused")
-    with pytest.raises(HFCheckpointError, match="either way round") as err:
-        open_hf_checkpoint(directory, check_shapes=True)
-    assert len(str(err.value).splitlines()) == 1
+    inputs = hf_models.qwen3_vl_inputs()
+    ours, _ = hf_models.kimi_import_and_run(directory, inputs)
+    mm_types = (inputs["input_ids"] == hf_models.QWEN3_VL_IMAGE_TOKEN).int()
+    with torch.no_grad():
+        theirs = model(**inputs, mm_token_type_ids=mm_types).logits.float()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_image_placeholders_that_do_not_match_the_images_are_one_line(tmp_path):
+    from megatron_slmoe.model.tower_language import ImageTokenMismatch
+
+    hf_dir = hf_models.save(hf_models.build_qwen3_vl_moe(), str(tmp_path / "q"), layout="fused")
+    model, _ = hf_models.load_kimi(hf_dir)
+    inputs = hf_models.qwen3_vl_inputs()
+    ids, grids = inputs["input_ids"], inputs["image_grid_thw"]
+    for bad_ids, bad_grids in ((ids, None), (ids, grids[:1]), (ids[:, :5], grids)):
+        with pytest.raises(ImageTokenMismatch) as err:
+            model.positions(bad_ids, bad_grids)
+        assert len(str(err.value).splitlines()) == 1
+    shorter = ids.clone()
+    shorter[0, 4] = 0  # splits the first image's run in two
+    with pytest.raises(ImageTokenMismatch, match="runs of"):
+        model.positions(shorter, grids)
+
+
+def test_a_trained_tower_keeps_gradients_without_images(tmp_path):
+    """A micro-batch without images still gives every trained adapter of the tower and of its
+    mergers (DeepStack's too) a gradient (zero), as Megatron's DDP waits for."""
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import inject_lora
+
+    hf_dir = hf_models.save(hf_models.build_qwen3_vl_moe(), str(tmp_path / "q"), layout="fused")
+    model, _ = hf_models.load_kimi(hf_dir)
+    inject_lora([model], LoRAConfig(rank=2, targets=["linear_qkv", "vision_attention",
+                                                     "projector"]))
+    model.train()
+    tokens = torch.randint(0, hf_models.QWEN3_VL_IMAGE_TOKEN, (2, 12))
+    model.embed(tokens, torch.arange(12).expand(2, -1)).sum().backward()
+    tower = {n: p for n, p in model.vision.named_parameters() if p.requires_grad}
+    assert any("deepstack_merger_list" in n for n in tower) and any("attn.qkv" in n
+                                                                    for n in tower)
+    assert all(p.grad is not None and not p.grad.any() for p in tower.values())
 
 
 def test_greedy_answers_equal_transformers_generate(tmp_path):

@@ -265,3 +265,26 @@ def test_the_start_up_check_prices_the_checkpoints_tower(megatron_single_rank, t
              .verdict.memory.stages[0] for opened in (None, hf)]
     kept, _ = tower_activations(tower, tower.patches_per_position, 8, 4)
     assert first[1].activations - first[0].activations == kept
+
+
+def test_qwen3_vl_tower_census_equals_transformers_and_peft(megatron_single_rank, tmp_path):
+    """Qwen3-VL-MoE's tower and mergers: parameters as transformers' model holds them, adapter
+    parameters as PEFT's LoRA on the fused q/k/v, the output projections and the mergers'
+    linears (DeepStack's too)."""
+    from peft import LoraConfig, get_peft_model
+
+    from megatron_slmoe.hf.loader import open_hf_checkpoint
+    from megatron_slmoe.hf.tower_model import vision_census
+    from tests.helpers import hf_models
+
+    model = hf_models.build_qwen3_vl_moe()
+    hf_models.save(model, str(tmp_path / "qwen3vl"), layout="fused")
+    census = vision_census(open_hf_checkpoint(str(tmp_path / "qwen3vl")), VISION_TARGETS,
+                           lora_rank=4)
+    assert census.parameters == sum(p.numel() for p in model.model.visual.parameters())
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=(
+        r".*visual\.(blocks\.\d+\.attn\.(qkv|proj)"
+        r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])$")))
+    assert census.lora_parameters == sum(
+        p.numel() for n, p in peft.named_parameters() if "lora_" in n) > 0
+    assert (census.layers, census.hidden, census.patches_per_position) == (2, 16, 4)

@@ -21,7 +21,6 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from megatron_slmoe.hf.errors import HFCheckpointError
 
 
 def template_regex(template: str, text: tuple[str, ...] = ()) -> re.Pattern:
@@ -138,8 +137,8 @@ class Layouts:
                 want: Optional[Sequence[int]] = None) -> Optional[Resolved]:
         """Where the canonical tensor ``key`` is in a checkpoint whose tensors have ``shapes``.
         Where one fused name has two layouts (transformers' and the transposed published one),
-        ``want``, the canonical shape, tells them apart; a checkpoint where both fit is
-        refused (its experts' widths make the layout ambiguous)."""
+        ``want``, the canonical shape, tells them apart; where both fit, the first rule's (not
+        transposed), as transformers reads such a tensor."""
         for name in self._stored_names(key):
             if name in shapes:
                 return Resolved(name, (), tuple(shapes[name]))
@@ -153,13 +152,9 @@ class Layouts:
                 if where is not None:
                     found.append(dataclasses.replace(where, stored=fused_key))
             if want is not None and len(found) > 1:
+                # Where both fit (square experts), the stored one is read as it is, as
+                # transformers reads it (its transpose checks the shape first).
                 found = [f for f in found if f.shape == tuple(want)]
-                if len(found) > 1:
-                    raise HFCheckpointError(
-                        f"{found[0].stored} {list(shapes[found[0].stored])}: its experts could "
-                        f"be stored either way round (transformers' layout or the transposed "
-                        f"published one) for {key} {list(want)}; re-save the checkpoint with "
-                        f"transformers (save_original_format=False)")
             if found:
                 return found[0]
         return None
