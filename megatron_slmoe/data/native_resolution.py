@@ -51,16 +51,7 @@ class NativeResolutionConfig:
     def from_preprocessor_config(cls, path: str) -> "NativeResolutionConfig":
         """The settings of a checkpoint's ``preprocessor_config.json``; one DataError line naming
         the file and the field when it is unreadable or a value is unusable."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise DataError(f"{path}: missing (the image processor's settings; a multimodal "
-                            f"checkpoint ships it)") from None
-        except (OSError, ValueError) as err:
-            raise DataError(f"{path}: not readable JSON ({err})") from None
-        if not isinstance(raw, dict):
-            raise DataError(f"{path}: not a JSON object")
+        raw = _read_processor_settings(path)
         if "media_proc_cfg" in raw:
             raw = _from_published(raw["media_proc_cfg"], path)
         elif not {"patch_size", "merge_size", "max_patches", "size"} & raw.keys():
@@ -129,15 +120,8 @@ class Qwen2VLPatches:
             Qwen2VLImageProcessorPil,
         )
 
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise DataError(f"{path}: missing (the image processor's settings; a multimodal "
-                            f"checkpoint ships it)") from None
-        except (OSError, ValueError) as err:
-            raise DataError(f"{path}: not readable JSON ({err})") from None
-        kind = raw.get("image_processor_type", "") if isinstance(raw, dict) else ""
+        raw = _read_processor_settings(path)
+        kind = raw.get("image_processor_type", "")
         if not kind.startswith("Qwen2VLImageProcessor"):
             raise DataError(f"{path}: image_processor_type {kind!r} is not Qwen2-VL's (the "
                             f"checkpoint's config.json names a Qwen3-VL model)")
@@ -157,6 +141,22 @@ class Qwen2VLPatches:
     def empty(self) -> torch.Tensor:
         p = self.processor
         return torch.zeros(0, 3 * p.temporal_patch_size * p.patch_size ** 2)
+
+
+def _read_processor_settings(path: str) -> dict:
+    """A checkpoint's ``preprocessor_config.json``; one DataError line naming the file when it
+    is missing or not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing (the image processor's settings; a multimodal "
+                        f"checkpoint ships it)") from None
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: not readable JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{path}: not a JSON object")
+    return raw
 
 
 def _from_published(cfg, path: str) -> dict:

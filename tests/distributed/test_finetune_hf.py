@@ -156,20 +156,26 @@ def _kimi_image_text_model(image_token_id: int):
                                 image_token_id=image_token_id)
 
 
+def _chatml_tokenizer_with(hf_dir: Path, special_tokens) -> "tokenizers.Tokenizer":
+    """The ChatML test tokenizer saved into ``hf_dir`` with a model's special tokens added."""
+    import tokenizers
+
+    hf_models.save_chatml_tokenizer(hf_dir)
+    backend = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    backend.add_special_tokens(list(special_tokens))
+    backend.save(str(hf_dir / "tokenizer.json"))
+    return backend
+
+
 @pytest.fixture(scope="module")
 def kimi_image_text_checkpoint(tmp_path_factory):
     """Kimi-K2.5 as users get it: the weights, a tokenizer holding Kimi's media tokens (the image
     placeholder is config.json's image_token_id) and the image processor's settings."""
     import json
 
-    import tokenizers
-
     hf_dir = tmp_path_factory.mktemp("hf-image-text") / "kimi-k25"
     hf_dir.mkdir()
-    hf_models.save_chatml_tokenizer(hf_dir)
-    backend = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    backend.add_special_tokens(list(MEDIA_TOKENS))
-    backend.save(str(hf_dir / "tokenizer.json"))
+    backend = _chatml_tokenizer_with(hf_dir, MEDIA_TOKENS)
     model = _kimi_image_text_model(backend.token_to_id("<|media_pad|>"))
     hf_models.save(model, str(hf_dir), layout="fused")
     (hf_dir / "preprocessor_config.json").write_text(json.dumps({
@@ -509,14 +515,9 @@ def qwen3_vl_image_text_checkpoint(tmp_path_factory):
     settings (the shapes' 32x32 images are scaled up to 64x64: 4x4 patches, 4 image tokens)."""
     import json
 
-    import tokenizers
-
     hf_dir = tmp_path_factory.mktemp("hf-image-text") / "qwen3-vl-moe"
     hf_dir.mkdir()
-    hf_models.save_chatml_tokenizer(hf_dir)
-    backend = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    backend.add_special_tokens(list(QWEN_VISION_TOKENS))
-    backend.save(str(hf_dir / "tokenizer.json"))
+    backend = _chatml_tokenizer_with(hf_dir, QWEN_VISION_TOKENS)
     model = _qwen3_vl_image_text_model(backend.token_to_id("<|image_pad|>"))
     hf_models.save(model, str(hf_dir), layout="fused")
     (hf_dir / "preprocessor_config.json").write_text(json.dumps({

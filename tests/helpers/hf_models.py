@@ -451,3 +451,12 @@ def qwen3_vl_inputs(seed: int = 7) -> dict:
         rows.append(torch.cat([text[:2], image, text[2:]]))
     return dict(input_ids=torch.stack(rows), image_grid_thw=torch.tensor(grids),
                 pixel_values=torch.randn(patches, 3 * 2 * 16 * 16, generator=gen))
+
+
+def randomise_lora(model, seed: int = 0, scale: float = 0.3) -> None:
+    """Every LoRA factor of ``model`` random (``scale`` N(0, 1)), as after training."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if getattr(param, "is_lora", False):
+                param.copy_(scale * torch.randn(param.shape, generator=gen))

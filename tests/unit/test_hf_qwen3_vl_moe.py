@@ -66,11 +66,7 @@ def test_peft_adapter_gives_our_image_text_logits(tmp_path):
         "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router", "vision_attention",
         "projector"])
     inject_lora([model], lora_config)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if getattr(param, "is_lora", False):
-                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    hf_models.randomise_lora(model)  # every factor random, as after training
     inputs = hf_models.qwen3_vl_inputs()
     ours = hf_models.megatron_logits(model, inputs["input_ids"],
                                      pixel_values=inputs["pixel_values"],
