@@ -233,20 +233,23 @@ setup(
         "tensorboard",
         "megatron-energon>=7.4,<8",  # image-text datasets (WebDataset shards + energon metadata)
         "pillow",  # image decoding (torchvision is not needed)
-        "matplotlib>=3.8,<4",  # a run's pictures (training/plots.py, Agg backend)
+        "matplotlib>=3.8,<4",  # a run's pictures (training/reporting/plots.py, Agg backend)
     ],
     extras_require={
         "gpu": ["transformer-engine"],
         "npu": ["torch_npu", "mindspeed"],
         "s3": S3_REQUIRES,
+        # Video clips (data/video.py): PyAV decodes them, no torchvision or ffmpeg binary.
+        "video": ["av>=18,<19"],
         # Hugging Face interop (megatron_slmoe.hf): model families, import, the SL-MoE model class.
         # Tested with 5.24; the 5.x series holds experts as fused 3D tensors in memory.
-        "hf": ["transformers>=5.24,<6", "peft==0.21.2"],
+        "hf": ["transformers>=5.24,<6", "peft==0.21.2", "compressed-tensors>=0.20.1,<0.21"],
         # Storage pins: what the storage tests were run with. moto's server mode is their S3
         # endpoint (on 127.0.0.1, started by the tests themselves).
         "test": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "transformers>=5.24,<6",
-                 "peft==0.21.2",
-                 "moto[server]==5.2.5", "multi-storage-client[boto3]==1.3.1", "boto3==1.44.8"],
+                 "peft==0.21.2", "compressed-tensors>=0.20.1,<0.21",
+                 "moto[server]==5.2.5", "multi-storage-client[boto3]==1.3.1", "boto3==1.44.8",
+                 "av>=18,<19"],
     },
     entry_points={"console_scripts": [
         "slmoe-finetune = megatron_slmoe.training.finetune:main",
@@ -257,6 +260,7 @@ setup(
         "slmoe-convert-hf = megatron_slmoe.commands.convert_hf:main",
         "slmoe-count-params = megatron_slmoe.commands.count_params:main",
         "slmoe-make-hf-checkpoint = megatron_slmoe.commands.make_hf_checkpoint:main",
+        "slmoe-plan = megatron_slmoe.plan.__main__:main",
         "slmoe-preprocess-data = megatron_slmoe.commands.preprocess_data:main",
         "slmoe-train-tokenizer = megatron_slmoe.commands.train_tokenizer:main",
         "slmoe-preflight = megatron_slmoe.preflight.__main__:main",

@@ -6,8 +6,10 @@
 #      register spills included);
 #   2. the host compiler checks csrc/cuda/*.cpp (the torch binding) against torch's headers, if a
 #      Python with torch is importable;
-#   3. the kernels run on the host emulation in csrc/cuda/emu against an fp64 reference
-#      (--quick set; skip with --no-emu).
+#   3. the kernels run on the host emulation in csrc/cuda/emu: the dense launchers against an fp64
+#      reference (--quick set), and, with a Python with torch, the packed launchers (MXFP4, INT4,
+#      block FP8) against megatron_slmoe.ops' decode and reference, then every injected bug of the
+#      packed kernel, each of which must be caught (skip all of step 3 with --no-emu).
 #
 # No nvcc (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): says the check is skipped and exits 0.
 # Any compile error or failed emulated case: non-zero exit.
@@ -103,11 +105,17 @@ fi
 
 # Step 3.
 if [ "$run_emu" = 1 ]; then
+    if [ -n "$torch_includes" ]; then export SLMOE_EMU_PYTHON=$python; else unset SLMOE_EMU_PYTHON; fi
     if ! out=$(bash csrc/cuda/emu/run.sh --quick 2>&1); then
         echo "$out"
         echo "compile_cuda: FAILED, emulated kernels disagree with the reference (csrc/cuda/emu)" >&2
         exit 1
     fi
-    echo "compile_cuda: ok  emulated kernels (csrc/cuda/emu): $(echo "$out" | tail -n 1) [${SECONDS}s]"
+    echo "compile_cuda: ok  emulated kernels (csrc/cuda/emu): $(echo "$out" | grep -m1 '^all .* cases passed') [${SECONDS}s]"
+    if [ -n "$torch_includes" ]; then
+        echo "compile_cuda: ok  emulated packed kernels vs megatron_slmoe.ops: $(echo "$out" | grep -m1 '^packed oracle:'); $(echo "$out" | grep -m1 '^packed injected bugs caught:')"
+    else
+        echo "compile_cuda: skipped the packed kernels' oracle, no Python with torch"
+    fi
 fi
 echo "compile_cuda: passed in ${SECONDS}s"

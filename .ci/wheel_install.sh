@@ -24,12 +24,12 @@ print(f"[wheel] megatron_slmoe {megatron_slmoe.__version__} from {where}")
 PY
 for script in slmoe-finetune slmoe-merge-lora slmoe-generate slmoe-plot-run slmoe-rank-sweep \
         slmoe-convert-hf slmoe-count-params slmoe-make-hf-checkpoint slmoe-preprocess-data \
-        slmoe-train-tokenizer \
+        slmoe-train-tokenizer slmoe-plan \
         slmoe-preflight slmoe-netcheck; do
     "$bin/$script" --help >/dev/null
     echo "[wheel] $script --help: ok"
 done
-"$bin/python" -m megatron_slmoe.plan --model-config flagship_2p8t --num-devices 512 \
+"$bin/slmoe-plan" --model-config flagship_2p8t --num-devices 512 \
     --device-memory-gb 141 --top 1 >/dev/null
 echo "[wheel] planner on the flagship: ok"
 # The demo's first run (its base) as the launcher checks it before torchrun (2 ranks, EP=2),

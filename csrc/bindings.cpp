@@ -10,6 +10,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "packed_scratch.h"
+
 TORCH_LIBRARY(slmoe, m) {
   // Rows of x are grouped by expert; tokens_per_expert (int64, CPU) gives the group sizes.
   // lora_x, when given, replaces x as the LoRA input (x times a dropout mask).
@@ -29,6 +31,25 @@ TORCH_LIBRARY(slmoe, m) {
       "lora_grouped_linear_bwd(Tensor grad_y, Tensor lora_x, Tensor weight, Tensor lora_a, "
       "Tensor lora_b, Tensor h, Tensor tokens_per_expert, float scaling, Tensor? lora_mask=None, "
       "bool[3] output_mask=[True, True, True], Tensor? probs=None) -> (Tensor, Tensor, Tensor)");
+  // The same two over a packed (quantised) frozen W of logical shape [E, d_out, d_in] =
+  // [packed.size(0), matrix_shape]: `format` is one of megatron_slmoe.ops.quantized_weights' formats
+  // (mxfp4-pack-quantized, pack-quantized, block-fp8), `block` the [rows, cols] one scale covers.
+  // Each expert's W_e is decoded into a scratch tile of x's dtype where a GEMM needs it and dropped
+  // after; the backward decodes it again. Results, and the input gradient without the row scale,
+  // as the dense ops'.
+  m.def(
+      "lora_grouped_linear_packed_fwd(Tensor x, Tensor lora_a, Tensor lora_b, Tensor tokens_per_expert, "
+      "float scaling, Tensor? lora_x, Tensor? probs, Tensor packed, Tensor scale, str format, int[2] block, "
+      "int[2] matrix_shape) -> (Tensor, Tensor)");
+  m.def(
+      "lora_grouped_linear_packed_bwd(Tensor grad_y, Tensor lora_x, Tensor lora_a, Tensor lora_b, Tensor h, "
+      "Tensor tokens_per_expert, float scaling, Tensor? lora_mask, bool[3] output_mask, Tensor? probs, "
+      "Tensor packed, Tensor scale, str format, int[2] block, int[2] matrix_shape) -> (Tensor, Tensor, Tensor)");
+  // Experts the CUDA packed kernel decodes at once, of `experts` local experts whose decoded [out, in]
+  // takes `expert_bytes` (csrc/packed_scratch.h); on every build, so the planner's price of that
+  // scratch is checked against the kernel's own rule where there is no GPU. No tensors: one kernel
+  // for every device.
+  m.def("packed_scratch_experts(int experts, int expert_bytes) -> int", &slmoe::packed_scratch_experts);
 }
 
 // `import megatron_slmoe._C` only needs a module object; loading the library runs the static

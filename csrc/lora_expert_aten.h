@@ -14,6 +14,10 @@
 //
 // for_each_expert(offsets, macs_per_row, fn) must call fn(e) once for every expert; it decides
 // where and in which order.
+//
+// The *_tiles forms take W as weight_of(e), a function giving expert e's [d_out, d_in] matrix where
+// a GEMM needs it (a packed weight's kernel decodes it into scratch there, csrc/cpu/
+// lora_expert_packed.cpp); the plain forms pass the slices of a dense W.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,15 +31,14 @@
 
 namespace slmoe {
 
-template <typename ForEachExpert>
-std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_aten(
-    const GroupedDims& d, const std::vector<int64_t>& offsets, const at::Tensor& x_in, const at::Tensor& weight_in,
+template <typename WeightOf, typename ForEachExpert>
+std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_aten_tiles(
+    const GroupedDims& d, const std::vector<int64_t>& offsets, const at::Tensor& x_in, const WeightOf& weight_of,
     const at::Tensor& lora_a_in, const at::Tensor& lora_b_in, double scaling,
     const std::optional<at::Tensor>& lora_x_in, const std::optional<at::Tensor>& probs_in,
     const ForEachExpert& for_each_expert) {
   at::AutoDispatchBelowADInplaceOrView guard;
   const auto x = x_in.contiguous();
-  const auto weight = weight_in.contiguous();
   const auto lora_a = lora_a_in.contiguous();
   const auto lora_b = lora_b_in.contiguous();
   const auto lora_x = lora_x_in.has_value() ? lora_x_in->contiguous() : x;
@@ -51,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_aten(
     auto h_e = h.narrow(0, off, n);
     auto y_e = y.narrow(0, off, n);
     at::mm_out(h_e, lora_x.narrow(0, off, n), lora_a[e].t());
-    at::mm_out(y_e, x.narrow(0, off, n), weight[e].t());
+    at::mm_out(y_e, x.narrow(0, off, n), weight_of(e).t());
     y_e.addmm_(h_e, lora_b[e].t(), /*beta=*/1, /*alpha=*/scaling);
     if (probs.has_value()) y_e.mul_(probs->narrow(0, off, n));  // while the tile is in cache
   });
@@ -59,9 +62,22 @@ std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_aten(
 }
 
 template <typename ForEachExpert>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
+std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_aten(
+    const GroupedDims& d, const std::vector<int64_t>& offsets, const at::Tensor& x_in, const at::Tensor& weight_in,
+    const at::Tensor& lora_a_in, const at::Tensor& lora_b_in, double scaling,
+    const std::optional<at::Tensor>& lora_x_in, const std::optional<at::Tensor>& probs_in,
+    const ForEachExpert& for_each_expert) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  const auto weight = weight_in.contiguous();
+  return lora_grouped_linear_fwd_aten_tiles(
+      d, offsets, x_in, [&](int64_t e) { return weight[e]; }, lora_a_in, lora_b_in, scaling, lora_x_in, probs_in,
+      for_each_expert);
+}
+
+template <typename WeightOf, typename ForEachExpert>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten_tiles(
     const GroupedDims& d, const std::vector<int64_t>& offsets, const at::Tensor& grad_y_in,
-    const at::Tensor& lora_x_in, const at::Tensor& weight_in, const at::Tensor& lora_a_in,
+    const at::Tensor& lora_x_in, const WeightOf& weight_of, const at::Tensor& lora_a_in,
     const at::Tensor& lora_b_in, const at::Tensor& h_in, double scaling,
     const std::optional<at::Tensor>& lora_mask_in, std::array<bool, 3> output_mask,
     const std::optional<at::Tensor>& probs_in, const ForEachExpert& for_each_expert) {
@@ -69,7 +85,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
   at::AutoDispatchBelowADInplaceOrView guard;
   const auto dy = grad_y_in.contiguous();
   const auto lora_x = lora_x_in.contiguous();
-  const auto weight = weight_in.contiguous();
   const auto lora_a = lora_a_in.contiguous();
   const auto lora_b = lora_b_in.contiguous();
   const auto h = h_in.contiguous();
@@ -113,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
     }
     if (need_dx) {
       auto dx_e = dx.narrow(0, off, n);
-      at::mm_out(dx_e, dy_e, weight[e]);
+      at::mm_out(dx_e, dy_e, weight_of(e));
       if (mask.has_value()) {
         // Dropout hit only the LoRA input, so only the LoRA term of dx is masked.
         dx_e.addcmul_(at::mm(dh_e, lora_a[e]), mask->narrow(0, off, n));
@@ -123,6 +138,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
     }
   });
   return {dx, da, db};
+}
+
+template <typename ForEachExpert>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten(
+    const GroupedDims& d, const std::vector<int64_t>& offsets, const at::Tensor& grad_y_in,
+    const at::Tensor& lora_x_in, const at::Tensor& weight_in, const at::Tensor& lora_a_in,
+    const at::Tensor& lora_b_in, const at::Tensor& h_in, double scaling,
+    const std::optional<at::Tensor>& lora_mask_in, std::array<bool, 3> output_mask,
+    const std::optional<at::Tensor>& probs_in, const ForEachExpert& for_each_expert) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  const auto weight = weight_in.contiguous();
+  return lora_grouped_linear_bwd_aten_tiles(
+      d, offsets, grad_y_in, lora_x_in, [&](int64_t e) { return weight[e]; }, lora_a_in, lora_b_in, h_in, scaling,
+      lora_mask_in, output_mask, probs_in, for_each_expert);
 }
 
 }  // namespace slmoe

@@ -251,12 +251,12 @@ finetune() {
         PREFLIGHT_DONE=1
     fi
     # A rank that meets bad input (which a restart would meet again) leaves its one line here and
-    # stops torchrun's restarts (megatron_slmoe.training.lifeline.end_job_for_input_error).
+    # stops torchrun's restarts (megatron_slmoe.training.reliability.lifeline.end_job_for_input_error).
     local report reason=""
     report=$(mktemp "${TMPDIR:-/tmp}/slmoe-end.XXXXXX")
     SLMOE_END_REPORT="$report" slmoe_run_logged "$log" "${train[@]}" || rc=$?
     if [ "$rc" != 0 ]; then
-        reason=$(python -m megatron_slmoe.training.lifeline --input-error "$report" \
+        reason=$(python -m megatron_slmoe.training.reliability.lifeline --input-error "$report" \
                  2>/dev/null) || reason=""
     fi
     rm -f "$report"

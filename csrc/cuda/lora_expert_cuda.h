@@ -77,5 +77,50 @@ struct LoraBwdArgs {
 cudaError_t lora_grouped_linear_fwd(const LoraFwdArgs& args, cudaStream_t stream);
 cudaError_t lora_grouped_linear_bwd(const LoraBwdArgs& args, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// The same op over a packed (quantised) frozen W of logical shape [E, d_out, d_in], in one of
+// megatron_slmoe.ops.quantized_weights' formats (layouts there and in csrc/lora_expert_packed.h):
+//   kMxfp4      packed uint8 [E, d_out, d_in/2], scale uint8 (E8M0) [E, d_out, d_in/32]
+//   kInt4       packed int32 [E, d_out, d_in/8], scale bf16/fp16/fp32 [E, d_out, d_in/group]
+//   kBlockFp8   packed float8_e4m3fn [E, d_out, d_in], scale fp32 [E, ceil(d_out/br), ceil(d_in/bc)]
+// Experts are taken in chunks of at most `scratch_experts`: the chunk's experts that own rows are
+// decoded (value for value as the Python codecs) into `scratch` [scratch_experts, d_out, d_in] of
+// `dtype`, then the dense launchers above run on the chunk with the scratch as W. The scratch is
+// the only decoded copy and lives for the call; the backward decodes again (only for dx).
+
+enum class PackedFormat { kMxfp4, kInt4, kBlockFp8 };
+
+struct PackedWeightArgs {
+  PackedFormat format;
+  const void* packed;
+  const void* scale;
+  DType scale_dtype;                 // kInt4: bf16, fp16 or fp32; ignored otherwise
+  int64_t block_rows, block_cols;    // what one scale covers: [1, 32], [1, group] or [br, bc]
+};
+
+struct LoraPackedFwdArgs {
+  LoraFwdArgs dense;                 // `weight` is ignored (the scratch takes its place)
+  PackedWeightArgs w;
+  const int64_t* host_tokens_per_expert;  // [E] the same counts on the host: the chunks' first rows
+  void* scratch;                     // [scratch_experts, d_out, d_in] of dtype, device
+  int64_t scratch_experts;           // >= 1
+};
+
+struct LoraPackedBwdArgs {
+  LoraBwdArgs dense;                 // `weight` is ignored
+  PackedWeightArgs w;
+  const int64_t* host_tokens_per_expert;
+  void* scratch;                     // needed when dx is requested and T > 0
+  int64_t scratch_experts;
+};
+
+// Decodes experts [e0, e0 + n) of W into scratch [n, d_out, d_in] of `dtype`, skipping those whose
+// count (device `tokens_per_expert`, indexed from e0; nullptr: decode all) is zero.
+cudaError_t decode_packed_experts(const PackedWeightArgs& w, DType dtype, int64_t d_out, int64_t d_in, int64_t e0,
+                                  int64_t n, const int64_t* tokens_per_expert, void* scratch, cudaStream_t stream);
+
+cudaError_t lora_grouped_linear_packed_fwd(const LoraPackedFwdArgs& args, cudaStream_t stream);
+cudaError_t lora_grouped_linear_packed_bwd(const LoraPackedBwdArgs& args, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace slmoe

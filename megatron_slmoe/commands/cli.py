@@ -7,8 +7,10 @@ import functools
 import sys
 from typing import Callable, Union
 
+from megatron_slmoe.utils.errors import InputError
 
-class BadInput(Exception):
+
+class BadInput(InputError):
     """A user's mistake a command found itself: one line for the user, exit code 2."""
 
 
@@ -17,7 +19,7 @@ USER_ERRORS = ("megatron_slmoe.platform.PlatformError",)
 
 
 def _is_user_error(err: BaseException, kinds) -> bool:
-    for kind in (BadInput, *kinds, *USER_ERRORS):
+    for kind in (BadInput, InputError, *kinds, *USER_ERRORS):
         if isinstance(kind, str):  # "module.Class": only if that module was imported
             module, _, name = kind.rpartition(".")
             kind = getattr(sys.modules.get(module), name, None)
@@ -29,9 +31,10 @@ def _is_user_error(err: BaseException, kinds) -> bool:
 
 
 def user_errors(*kinds: Union[type, str]) -> Callable:
-    """Decorate a command's ``main(argv)``: BadInput, a platform error and the exception types
-    ``kinds`` (classes, or ``"module.Class"`` names for modules the command imports lazily)
-    print ``error: <message>`` and return 2."""
+    """Decorate a command's ``main(argv)``: BadInput, the user's mistakes
+    (``utils.errors.InputError``), a platform error and the exception types ``kinds`` (classes,
+    or ``"module.Class"`` names for modules the command imports lazily) print
+    ``error: <message>`` and return 2."""
 
     def decorate(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)

@@ -2,7 +2,7 @@
 
     slmoe-convert-hf import --hf-checkpoint DIR --output OUT
     slmoe-convert-hf export --adapter RUN/adapter --hf-checkpoint DIR --output PEFT_DIR \\
-        [--expert-layout per-expert|fused]
+        [--export-hf-layout per-expert|fused|shared-outer|shared-outer-expanded]
     slmoe-convert-hf export --merged --adapter RUN/adapter --hf-checkpoint DIR --output HF_DIR
     slmoe-convert-hf import-adapter --peft-adapter PEFT_DIR --hf-checkpoint DIR --output ADAPTER
     slmoe-convert-hf export-weights --checkpoint MEGATRON_DIR --hf-checkpoint DIR --output HF_DIR
@@ -33,16 +33,14 @@ shows it; nothing is left at OUT.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
+import json
 import logging
 import os
 import sys
 import warnings
 
-from megatron_slmoe.commands.cli import BadInput, user_errors
-from megatron_slmoe.parallel.layout import data_parallel_size
-from megatron_slmoe.training.cli import LAYOUT_FLAGS, add_run_flags, run_section
+from megatron_slmoe.commands.cli import user_errors
+from megatron_slmoe.training.cli import LAYOUT_FLAGS, add_run_flags
 
 _DTYPES = ("fp32", "bf16")
 
@@ -67,9 +65,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     exp.add_argument("--merged", action="store_true",
                      help="write the base with the adapter merged as a full HF checkpoint instead "
                           "of a PEFT adapter")
-    exp.add_argument("--expert-layout", choices=("per-expert", "fused"), default="per-expert",
-                     help="PEFT adapter: routed experts as per-expert modules (vLLM) or as PEFT "
-                          "target_parameters on transformers 5's fused 3D expert tensors")
+    exp.add_argument("--export-hf-layout", "--expert-layout", dest="export_hf_layout",
+                     default="per-expert",
+                     help="PEFT adapter layout, named by what reads it: per-expert (vLLM; PEFT "
+                          "for Qwen2/3-MoE, DeepSeek), fused (PEFT target_parameters on "
+                          "transformers 5's 3D experts), shared-outer (SGLang "
+                          "--experts-shared-outer-loras), shared-outer-expanded (a shared-outer "
+                          "adapter per expert, for vLLM/PEFT); the manifest in the output says "
+                          "which")
     exp.add_argument("--base-model-name-or-path", default=None,
                      help="base_model_name_or_path of adapter_config.json (default: "
                           "--hf-checkpoint), e.g. the hub id serving stacks load")
@@ -97,158 +100,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _check_output(path: str) -> str:
-    path = os.path.abspath(path)
-    if os.path.lexists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise BadInput(f"--output {path} exists and is not an empty directory")
-    return path
-
-
-def _prepare(args):
-    """Everything that needs no process group: the checkpoint, its model, the layout."""
-    from megatron_slmoe.config.errors import ConfigError
-    from megatron_slmoe.hf.errors import HFCheckpointError
-    from megatron_slmoe.hf.loader import open_hf_checkpoint
-
-    output = _check_output(args.output)
-    try:
-        parallel = run_section(args, "parallel")
-        hf = open_hf_checkpoint(args.hf_checkpoint, check_shapes=args.hf_shape_check)
-        tp, pp, ep = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                      parallel.expert_model_parallel_size)
-        hf.model_config.transformer_config(
-            tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
-            pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
-        data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")), tp, pp, ep)
-    except (HFCheckpointError, ConfigError) as err:
-        raise BadInput(str(err)) from None
-    return hf, output
-
-
-@contextlib.contextmanager
-def _process_group(args):
-    """Inside: a process group and Megatron's parallel state, joined if one exists, else formed
-    (and torn down on the way out)."""
-    import torch
-
-    from megatron_slmoe.platform import apply_adaptor
-    from megatron_slmoe.platform.single_rank import init_single_rank
-    from megatron_slmoe.runtime import model as runtime
-
-    if torch.distributed.is_initialized():
-        yield
-        return
-    if "RANK" not in os.environ:  # plain `slmoe-convert-hf`: a group of one (checked in _prepare)
-        init_single_rank()
-    else:
-        parallel = dataclasses.replace(run_section(args, "parallel"),
-                                       distributed_timeout_minutes=60)
-        runtime.init_distributed(parallel, 1234, apply_adaptor())
-    try:
-        yield
-    finally:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
-
-
-def run_import(args) -> str:
-    import torch
-
-    from megatron_slmoe.hf.convert import import_to_dist_checkpoint
-    from megatron_slmoe.hf.errors import HFCheckpointError
-
-    hf, output = _prepare(args)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    with _process_group(args):
-        try:
-            return import_to_dist_checkpoint(hf, output, params_dtype=dtype)
-        except HFCheckpointError as err:
-            raise BadInput(str(err)) from None
-
-
-def run_export(args) -> str:
-    from megatron_slmoe.hf.errors import HFCheckpointError
-    from megatron_slmoe.hf.merged_export import export_merged
-    from megatron_slmoe.hf.peft_export import export_peft_adapter
-    from megatron_slmoe.lora.adapter import AdapterError
-
-    output = _check_output(args.output)
-    if args.adapter is None and not args.merged:
-        raise BadInput("export: --adapter is required (or --merged to write the base alone)")
-    if args.max_shard_size_mib < 1:
-        raise BadInput(f"--max-shard-size-mib must be >= 1, got {args.max_shard_size_mib}")
-    try:
-        if args.merged:
-            return export_merged(args.adapter, args.hf_checkpoint, output,
-                                 max_shard_bytes=args.max_shard_size_mib * 2**20)
-        return export_peft_adapter(args.adapter, args.hf_checkpoint, output,
-                                   layout=args.expert_layout,
-                                   base_model_name_or_path=args.base_model_name_or_path)
-    except (HFCheckpointError, AdapterError) as err:
-        raise BadInput(str(err)) from None
-
-
-def run_export_weights(args) -> str:
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
-    from megatron_slmoe.hf.convert import build_model_in_layout
-    from megatron_slmoe.hf.errors import HFCheckpointError
-    from megatron_slmoe.hf.megatron_export import export_megatron_weights
-
-    if not os.path.isfile(os.path.join(args.checkpoint, "metadata.json")):
-        raise BadInput(f"--checkpoint {args.checkpoint}: not a Megatron dist checkpoint (no "
-                       f"metadata.json)")
-    if args.max_shard_size_mib < 1:
-        raise BadInput(f"--max-shard-size-mib must be >= 1, got {args.max_shard_size_mib}")
-    hf, output = _prepare(args)
-    with _process_group(args):
-        model, _ = build_model_in_layout(hf.model_config)
-        try:
-            state = dist_checkpointing.load(model.sharded_state_dict(), args.checkpoint)
-            model.load_state_dict(state, strict=True)
-        except (Exception, CheckpointException) as err:  # noqa: BLE001  (one line for them all)
-            if isinstance(err, CheckpointException) and err.failures:  # the first rank's cause
-                err = next(iter(err.failures.values()))
-                err = err[0] if isinstance(err, tuple) else err  # (exception, traceback)
-            text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-            first = (text.strip().splitlines() or [type(err).__name__])[0]
-            first = first if len(first) <= 200 else first[:200] + "..."
-            raise BadInput(f"--checkpoint {args.checkpoint} does not load into the model of "
-                           f"{args.hf_checkpoint}: {first}") from None
-        try:
-            return export_megatron_weights([model], hf, output,
-                                           max_shard_bytes=args.max_shard_size_mib * 2**20)
-        except HFCheckpointError as err:
-            raise BadInput(str(err)) from None
-
-
-def run_import_adapter(args) -> str:
-    from megatron_slmoe.hf.errors import HFCheckpointError
-    from megatron_slmoe.hf.peft_import import peft_to_adapter
-
-    output = _check_output(args.output)
-    try:
-        return peft_to_adapter(args.peft_adapter, args.hf_checkpoint, output)
-    except HFCheckpointError as err:
-        raise BadInput(str(err)) from None
-
-
 @user_errors()
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron").setLevel(logging.ERROR)  # construction chatter
     warnings.simplefilter("ignore", FutureWarning)
-    from megatron_slmoe.platform import apply_adaptor
+    from megatron_slmoe.commands import convert_hf_steps as steps  # the heavy part, flags checked
 
-    apply_adaptor()
+    steps.apply_adaptor()
 
-    output = {"export": run_export, "import-adapter": run_import_adapter,
-              "import": run_import, "export-weights": run_export_weights}[args.command](args)
+    output = {"export": steps.run_export, "import-adapter": steps.run_import_adapter,
+              "import": steps.run_import, "export-weights": steps.run_export_weights
+              }[args.command](args)
     if args.command == "export":
         print(f"exported {args.adapter or args.hf_checkpoint} -> {output}")
+        report = os.path.join(output, steps.REQUANTIZATION_REPORT)
+        if os.path.isfile(report):  # a merged export that re-encoded packed weights
+            with open(report, encoding="utf-8") as f:
+                print(f"{json.load(f)['line']} ({report})")
     elif args.command == "export-weights":
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"exported {args.checkpoint} -> {output}")

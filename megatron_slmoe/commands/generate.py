@@ -33,8 +33,13 @@ from typing import Optional
 
 from megatron_slmoe.commands.cli import BadInput, user_errors
 from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.data.errors import DataError
+from megatron_slmoe.data.scoring import exact_match
+from megatron_slmoe.data.tokenizer import load_tokenizer
 from megatron_slmoe.parallel.layout import layout_problem
 from megatron_slmoe.training.cli import LAYOUT_FLAGS, OneLineParser, add_run_flags, run_section
+from megatron_slmoe.utils.atomic import write_text_atomic
+from megatron_slmoe.utils.jsonl import numbered_records
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -79,7 +84,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def read_prompts(path: str) -> list[list[dict]]:
     """The conversations of a prompt file; a malformed record is a BadInput naming its line."""
     from megatron_slmoe.data.instruction import ROLES, parse_record
-    from megatron_slmoe.utils.jsonl import numbered_records
 
     if not os.path.isfile(path):
         raise BadInput(f"--prompts {path}: no such file")
@@ -188,13 +192,9 @@ def generate(args: argparse.Namespace) -> dict:
     from megatron.core import parallel_state
 
     from megatron_slmoe.platform import apply_adaptor
-    from megatron_slmoe.data.errors import DataError
-    from megatron_slmoe.data.tokenizer import load_tokenizer
     from megatron_slmoe.runtime.bases import check_adapter, open_base
     from megatron_slmoe.inference import SamplingConfig, TextGenerator
-    from megatron_slmoe.data.scoring import exact_match
-    from megatron_slmoe.training.evaluation import answer, request_for, share_of
-    from megatron_slmoe.utils.atomic import write_text_atomic
+    from megatron_slmoe.inference.answers import answer_all, request_for
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model_section, parallel = _check_args(args, world_size)
@@ -212,7 +212,12 @@ def generate(args: argparse.Namespace) -> dict:
     conversations = read_prompts(args.prompts)
     requests = [request_for(tokenizer, m, args.max_new_tokens) for m in conversations]
     model_config = base.model_config
+    placeholder = _image_placeholder(base.hf)
     for number, request in enumerate(requests):
+        if placeholder and placeholder[1] in request.prompt_ids:  # as training refuses it
+            raise BadInput(f"prompt {number} holds the model's image placeholder "
+                           f"{placeholder[0]} (token id {placeholder[1]}) and no image goes with "
+                           f"it (slmoe-generate answers text prompts): remove it from the prompt")
         length = len(request.prompt_ids) + request.max_new_tokens
         if length > model_config.max_sequence_length:
             raise BadInput(f"prompt {number} has {len(request.prompt_ids)} tokens; with "
@@ -220,26 +225,16 @@ def generate(args: argparse.Namespace) -> dict:
                            f"max_sequence_length {model_config.max_sequence_length}")
     model = _build(args, base, parallel, apply_adaptor())
 
-    dp_rank = parallel_state.get_data_parallel_rank()
-    share = share_of(len(requests), dp_rank, parallel_state.get_data_parallel_world_size())
-    first, mine = share.start, [requests[i] for i in share]
     generator = TextGenerator(model, tokenizer.eos_id, tokenizer.vocab_size,
                               max_batch_size=args.batch_size, use_kv_cache=not args.no_kv_cache)
-    answers = answer(generator, tokenizer, mine, sampling, first_index=first)
-    token_counts = [len(tokenizer.encode(a)) for a in answers]
-    shares = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(shares, (dp_rank, first, answers, token_counts))
+    answers = answer_all(generator, tokenizer, requests, parallel_state.get_data_parallel_rank(),
+                         parallel_state.get_data_parallel_world_size(), sampling)
     summary = {"prompts": len(requests), "output": args.output, "scored": 0, "exact_match": 0}
     if torch.distributed.get_rank() == 0:
-        by_index: dict[int, tuple[str, int]] = {}
-        for _, start, texts, counts in shares:
-            for offset, (text, count) in enumerate(zip(texts, counts)):
-                by_index[start + offset] = (text, count)
         lines = []
-        for index, (messages, request) in enumerate(zip(conversations, requests)):
-            text, count = by_index[index]
+        for index, (messages, request, text) in enumerate(zip(conversations, requests, answers)):
             record = {"index": index, "prompt": _last_user(messages), "answer": text,
-                      "tokens": count,
+                      "tokens": len(tokenizer.encode(text)),
                       "reference": request.reference, "exact_match": None}
             if request.reference is not None:
                 record["exact_match"] = exact_match(text, request.reference)
@@ -248,6 +243,13 @@ def generate(args: argparse.Namespace) -> dict:
             lines.append(json.dumps(record, ensure_ascii=False))
         write_text_atomic(args.output, "\n".join(lines) + "\n")
     return summary
+
+
+def _image_placeholder(hf) -> Optional[tuple[str, int]]:
+    """(token, id) of an opened multimodal checkpoint's image placeholder, else None."""
+    if hf is None or not hf.multimodal:
+        return None
+    return hf.family.image_token, hf.family.hf_config(hf.checkpoint.config_path).image_token_id
 
 
 def _last_user(messages: list[dict]) -> str:

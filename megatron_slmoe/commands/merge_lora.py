@@ -26,7 +26,11 @@ import sys
 import warnings
 
 from megatron_slmoe.commands.cli import BadInput, user_errors
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.data.errors import DataError
+from megatron_slmoe.data.tokenizer import load_tokenizer, recorded_tokenizer
 from megatron_slmoe.training.cli import add_run_flags
+from megatron_slmoe.utils.atomic import atomic_directory
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,15 +81,11 @@ def merge(args: argparse.Namespace) -> str:
     output = _check_paths(args)
     from megatron.core import dist_checkpointing
 
-    from megatron_slmoe.config.errors import ConfigError
-    from megatron_slmoe.data.errors import DataError
-    from megatron_slmoe.data.tokenizer import load_tokenizer, recorded_tokenizer
     from megatron_slmoe.lora.adapter import AdapterError, base_identity, load_adapter, merge_lora
     from megatron_slmoe.model.build import build_gpt_model
     from megatron_slmoe.platform import apply_adaptor
     from megatron_slmoe.platform.single_rank import init_single_rank
     from megatron_slmoe.runtime.bases import open_base
-    from megatron_slmoe.utils.atomic import atomic_directory
 
     apply_adaptor()
 

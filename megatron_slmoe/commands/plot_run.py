@@ -5,7 +5,7 @@ load and routing drift, drawn from the run directory's metrics.jsonl and summary
     slmoe-plot-run RUN_DIR --out-dir pictures/
 
 A directory without metrics is one line on stderr and exit code 2. (See
-megatron_slmoe.training.plots for what each picture shows.)
+megatron_slmoe.training.reporting.plots for what each picture shows.)
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ import sys
 from typing import Optional
 
 from megatron_slmoe.commands.cli import user_errors
+from megatron_slmoe.training.reporting.plots import plot_run
 
 
-@user_errors("megatron_slmoe.training.plots.RunDataError")
+@user_errors("megatron_slmoe.training.reporting.plots.RunDataError")
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="slmoe-plot-run", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the output directory of a run")
     parser.add_argument("--out-dir", help="where the PNGs go [default: RUN_DIR/plots]")
     args = parser.parse_args(argv)
-    from megatron_slmoe.training.plots import plot_run
-
     paths = plot_run(args.run_dir, args.out_dir)
     for path in paths:
         print(path)

@@ -18,6 +18,7 @@ import logging
 import sys
 
 from megatron_slmoe.commands.cli import user_errors
+from megatron_slmoe.data.tokenizer import load_tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,7 +42,6 @@ def main(argv=None) -> int:
 
     apply_adaptor()
     from megatron_slmoe.data.pretrain import preprocess
-    from megatron_slmoe.data.tokenizer import load_tokenizer
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
     tokenizer = load_tokenizer(args.tokenizer)

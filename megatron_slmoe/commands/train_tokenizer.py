@@ -15,6 +15,7 @@ import logging
 import sys
 
 from megatron_slmoe.commands.cli import user_errors
+from megatron_slmoe.data.tokenizer import train_tokenizer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,8 +34,6 @@ def main(argv=None) -> int:
     from megatron_slmoe.platform import apply_adaptor
 
     apply_adaptor()
-    from megatron_slmoe.data.tokenizer import train_tokenizer
-
     logging.getLogger("megatron").setLevel(logging.ERROR)
     tokenizer = train_tokenizer(args.input, args.vocab_size, args.output,
                                 min_frequency=args.min_frequency)

@@ -6,7 +6,6 @@ from importlib.metadata import version
 from typing import Callable
 
 from torch._C import _dispatch_has_kernel_for_dispatch_key as has_kernel_for_dispatch_key
-from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.utils._device import _device_constructors as device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -27,5 +26,5 @@ def uncompiled(fn: Callable) -> Callable:
     return original
 
 
-__all__ = ["TorchDispatchMode", "default_store", "device_constructors",
+__all__ = ["TorchDispatchMode", "device_constructors",
            "has_kernel_for_dispatch_key", "tree_flatten", "uncompiled"]

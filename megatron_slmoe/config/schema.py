@@ -29,13 +29,15 @@ from megatron_slmoe.config.types import coerce, describe, matches
 
 def setting(default: Any = dataclasses.MISSING, *, flag: str, help: str,
             default_factory: Any = dataclasses.MISSING,
-            switches: dict[str, Any] | None = None) -> Any:
+            switches: dict[str, Any] | None = None, overrides: str | None = None) -> Any:
     """A field of a configuration section.
 
     ``flag``: the command-line flag. ``switches``: extra value-less flags that set the field to a
-    fixed value (``{"--bf16": "bf16", "--fp32": "fp32"}``).
+    fixed value (``{"--bf16": "bf16", "--fp32": "fp32"}``). ``overrides``: the field of a model
+    file's section that this run setting replaces when given (see ``given_overrides``).
     """
-    metadata = {"flag": flag, "help": help, "switches": dict(switches or {})}
+    metadata = {"flag": flag, "help": help, "switches": dict(switches or {}),
+                "overrides": overrides}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -49,6 +51,22 @@ def hints(cls: type) -> dict[str, Any]:
 def settings(cls: type) -> list[dataclasses.Field]:
     """The fields of a section class that are settings (all of them, for our sections)."""
     return [f for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+def given_overrides(section: "Section") -> dict[str, Any]:
+    """``{model-file field: value}`` for each setting of ``section`` that declares the field it
+    ``overrides`` and was given (differs from its default): a run flag over a model-file field by
+    declaration, so no caller maps the two by hand."""
+    changes = {}
+    for f in settings(type(section)):
+        target, value = f.metadata.get("overrides"), getattr(section, f.name)
+        if target and value != _default(f):
+            changes[target] = value
+    return changes
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 class Section:

@@ -57,6 +57,8 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGE_TOKEN = "<image>"
 """Where an image goes in the text of an image-text sample."""
+VIDEO_TOKEN = "<video>"
+"""Where a video clip goes in the text of a sample (ms-swift's and LLaMA-Factory's mark)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The one error type of the data package."""
 
+from megatron_slmoe.utils.errors import InputError
 
-class DataError(Exception):
+
+class DataError(InputError):
     """Bad or missing data input (tokenizer, data file, index); the message is one line naming it."""
 
 

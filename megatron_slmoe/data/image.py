@@ -71,8 +71,10 @@ class ImagePreprocessConfig:
         return self.max_tiles + (1 if self.thumbnail else 0)
 
 
-def decode_image(data: bytes):
-    """An RGB ``PIL.Image`` of complete, decodable image bytes, else :class:`ImageDecodeError`."""
+def decode_image(data: bytes, rgb: bool = True):
+    """An RGB ``PIL.Image`` of complete, decodable image bytes, else :class:`ImageDecodeError`
+    (``rgb`` False: in its own mode, its transparency kept, for a processor that composites it
+    itself)."""
     from PIL import Image, ImageFile
 
     if not data:
@@ -89,7 +91,7 @@ def decode_image(data: bytes):
                 ImageFile.LOAD_TRUNCATED_IMAGES = True
         else:
             image.load()
-        return _rgb(image)
+        return _rgb(image) if rgb else image
     except Image.DecompressionBombError as err:
         raise ImageDecodeError(f"image too large ({err})") from None
     except Exception as err:  # pillow raises OSError, SyntaxError, ValueError, EOFError, ...

@@ -10,8 +10,11 @@ Three sample types are read:
 ``vqa``        energon ``VQASample``               user: context (``<image>`` put first when the
                                                    context has none); assistant: first answer
 ``chat``       energon ``CrudeWebdataset`` sample  ``json``: ``{"messages": [...]}`` (the instruction
-               (json + image parts)                format of ``data/instruction.py``); images: the
-                                                   parts with an image extension, in part-name order
+               (json + image and video parts)      format of ``data/instruction.py``); images: the
+                                                   parts with an image extension, in part-name
+                                                   order; clips (``<video>`` marks): the parts with
+                                                   a video extension (``data/video.py`` decodes
+                                                   them, the family's processor samples frames)
 =============  =================================  ============================================
 
 Reading goes through energon's own pieces: ``get_dataset_from_config`` builds the factory that
@@ -44,6 +47,10 @@ bad record is counted once per process by reason and logged with its shard and k
 * ``path escapes dataset``: a tar member path that is absolute or climbs with ``..``;
 * ``malformed record``: missing or wrongly typed fields, bad JSON, bad turn order;
 * ``too long``: the text and image positions do not fit in ``seq_length``.
+* ``undecodable video``: a clip that is empty, corrupt, of an unsupported codec, frameless, longer
+  than the limit, of frames of different sizes, or refused by the video processor;
+* ``video count mismatch``: the ``<video>`` marks do not match the clips (or the model takes no
+  videos).
 
 The records a rank found bad are in ``dataset.stats``; :func:`reduce_skip_counts` counts the
 distinct bad records over the data-parallel ranks (ranks may meet the same one) for the run's log
@@ -64,10 +71,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from megatron_slmoe.data.config import IMAGE_TOKEN
+from megatron_slmoe.data.config import IMAGE_TOKEN, VIDEO_TOKEN
 from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.image import ImageDecodeError
-from megatron_slmoe.data.image_inputs import ImageCountMismatch, TiledImages
+from megatron_slmoe.data.image_inputs import (
+    TEXT_ONLY,
+    ImageCountMismatch,
+    TiledImages,
+    media_marks,
+)
+from megatron_slmoe.data.video import VideoDecodeError
 from megatron_slmoe.data.instruction import (
     MalformedRecord,
     build_generation_prompt,
@@ -77,14 +90,16 @@ from megatron_slmoe.data.instruction import (
 )
 from megatron_slmoe.data.sampler import RankReads, ReadAhead
 from megatron_slmoe.data.tokenizer import Tokenizer
+from megatron_slmoe.storage.urls import is_object_url
 
 logger = logging.getLogger(__name__)
 
 
 KINDS = ("caption", "vqa", "chat")
 REASONS = ("undecodable image", "image count mismatch", "path escapes dataset",
-           "malformed record", "too long")
+           "malformed record", "too long", "undecodable video", "video count mismatch")
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff")
+VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "mov", "avi", "m4v")
 DEFAULT_CAPTION_PROMPT = f"{IMAGE_TOKEN}\nDescribe the image."
 READ_AHEAD = 256
 """How far ahead of the reader (in samples) the next shards to fetch are looked for, when the
@@ -143,10 +158,31 @@ def _part_order(name: str) -> Tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
 
-def _image_parts(sample: dict) -> List[bytes]:
+def _image_parts(sample: dict, extensions: Sequence[str] = IMAGE_EXTENSIONS) -> List[bytes]:
     names = [k for k in sample if not k.startswith("__")
-             and k.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS]
+             and k.rsplit(".", 1)[-1].lower() in extensions]
     return [sample[k] for k in sorted(names, key=_part_order)]
+
+
+@dataclass
+class MediaParts:
+    """A record's encoded images and video clips, in part-name order."""
+
+    images: List[bytes]
+    videos: List[bytes] = field(default_factory=list)
+
+
+def videos_of(sample, messages: Sequence[Dict[str, str]]) -> List[bytes]:
+    """The clips of an energon sample (the parts of a chat record with a video extension);
+    BadSample unless its ``<video>`` marks match them."""
+    from megatron.energon import CrudeSample
+
+    videos = _image_parts(sample, VIDEO_EXTENSIONS) if isinstance(sample, CrudeSample) else []
+    marks = sum(m["content"].count(VIDEO_TOKEN) for m in messages)
+    if marks != len(videos):
+        raise BadSample("video count mismatch", f"the text marks {marks} {VIDEO_TOKEN} but the "
+                                                f"sample has {len(videos)} video(s)")
+    return videos
 
 
 def _text(value, what: str) -> str:
@@ -230,6 +266,19 @@ def energon_metadata(name: str) -> bool:
     return not name.endswith(".tar")
 
 
+def node_view(storage, path: str):
+    """(local folder, StoredFolder or None) of a dataset setting: a local folder as it is; one on
+    object storage as this node's view of it (``storage``: a ``storage.Storage``), its metadata
+    fetched now and its shards as they are read (each once per node, through the node cache)."""
+    if not is_object_url(path):
+        return path, None
+    stored = storage.stored_folder(path, energon_metadata)
+    if not os.path.isdir(os.path.join(stored.directory, ".nv-meta")):
+        raise DataError(f"{path}: not an energon dataset (no .nv-meta/ under the prefix; "
+                        f"prepare one with tools/prepare_image_text.py and upload the folder)")
+    return stored.directory, stored
+
+
 def open_energon_split(path: str, split: str, stored=None):
     """(factory, reader) of one split of an energon dataset: the factory ``dataset.yaml`` names and
     energon's random-access reader over the split's shards. One DataError line if it is unusable.
@@ -238,8 +287,9 @@ def open_energon_split(path: str, split: str, stored=None):
     from megatron.energon.dataset_config import get_dataset_from_config
     from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
 
+    shown = dataset_name(path, stored)
     if not os.path.isdir(os.path.join(path, ".nv-meta")):
-        raise DataError(f"{path}: not an energon dataset (no .nv-meta folder; prepare it with "
+        raise DataError(f"{shown}: not an energon dataset (no .nv-meta folder; prepare it with "
                         f"tools/prepare_image_text.py or 'energon prepare')")
     try:
         factory = get_dataset_from_config(
@@ -247,14 +297,20 @@ def open_energon_split(path: str, split: str, stored=None):
             worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
     except Exception as err:  # energon raises asserts, KeyErrors, YAML errors ...
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"{path}: cannot open split {split!r} of the energon dataset: "
+        raise DataError(f"{shown}: cannot open split {split!r} of the energon dataset: "
                         f"{reason}") from None
     if not getattr(factory, "shards", None):
-        raise DataError(f"{path}: split {split!r} has no shards")
+        raise DataError(f"{shown}: split {split!r} has no shards")
     _check_shards(path, factory.shards, stored)
     reader = ShardInfosITarReader(factory.path, factory.shards, part_filter=factory.part_filter,
                                   sample_filter=factory.sample_filter)
     return factory, reader
+
+
+def dataset_name(path: str, stored=None) -> str:
+    """The dataset as the user named it: its object-storage prefix when it is read from there
+    (``path`` is then the node cache's copy), else ``path``."""
+    return str(stored.prefix).rstrip("/") if stored is not None else path
 
 
 def shard_name(path: str, shard) -> str:
@@ -268,20 +324,21 @@ def _check_shards(path: str, shards, stored=None) -> None:
     DataError line naming the shard."""
     from megatron.energon.flavors.webdataset.itar import TarIndexReader
 
+    shown = dataset_name(path, stored)
     for shard in shards:
         tar = str(shard.path)
         remote = stored is not None and shard_name(path, shard) in stored.lazy
         if not remote and not os.path.isfile(tar):
-            raise DataError(f"{path}: shard {shard.name} is missing")
+            raise DataError(f"{shown}: shard {shard.name} is missing")
         try:
             with TarIndexReader(tar) as index:
                 end = index[len(index) - 1] if len(index) else 0
         except (OSError, IndexError, struct.error) as err:
-            raise DataError(f"{path}: shard {shard.name} has no readable index ({err}; prepare "
+            raise DataError(f"{shown}: shard {shard.name} has no readable index ({err}; prepare "
                             f"the dataset again)") from None
         size = stored.size(shard_name(path, shard)) if remote else os.path.getsize(tar)
         if end > size:
-            raise DataError(f"{path}: shard {shard.name} is truncated: its index reaches byte "
+            raise DataError(f"{shown}: shard {shard.name} is truncated: its index reaches byte "
                             f"{end}, the file has {size} (an incomplete copy?)")
 
 
@@ -317,12 +374,13 @@ class ImageTextDataset(torch.utils.data.Dataset):
         super().__init__()
         self.path, self.split = os.fspath(path), split
         self.stored = stored
+        self.name = dataset_name(self.path, stored)  # in every line: the user's name for it
         self._shard_names: Optional[List[str]] = None
         self.factory, self._reader = open_energon_split(self.path, split, stored)
         self._reader_pid = os.getpid()
         self.records = len(self._reader)
         if self.records == 0:
-            raise DataError(f"{self.path}: split {split!r} is empty")
+            raise DataError(f"{self.name}: split {split!r} is empty")
         self.tokenizer = tokenizer
         self.images = images
         self.tokens = images.tokenizer(tokenizer)
@@ -336,7 +394,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
         self._bad: Dict[int, str] = {}
         self._perms: Dict[int, np.ndarray] = {}
         self._warned = 0
-        logger.info("image-text data %s [%s]: %d records in %d shards", self.path, split,
+        logger.info("image-text data %s [%s]: %d records in %d shards", self.name, split,
                     self.records, len(self._reader.tar_filenames))
         self.first_usable()
 
@@ -348,7 +406,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
             if self._try(record) is not None:
                 self.stats.samples = samples
                 return record
-        raise DataError(f"{self.path} [{self.split}]: no usable sample: every one of its "
+        raise DataError(f"{self.name} [{self.split}]: no usable sample: every one of its "
                         f"{self.records} records is bad ({self.stats.summary()})")
 
     def __len__(self) -> int:
@@ -391,7 +449,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
             sample = self._try(self.record_index(idx + offset))
             if sample is not None:
                 return sample
-        raise DataError(f"{self.path} [{self.split}]: every record is bad "
+        raise DataError(f"{self.name} [{self.split}]: every record is bad "
                         f"({self.stats.summary()})")
 
     # -- one record ----------------------------------------------------------------------------
@@ -446,7 +504,7 @@ class ImageTextDataset(torch.utils.data.Dataset):
                 if isinstance(err, FileNotFoundError) and self.stored is not None and not attempt:
                     continue  # the cache evicted it before energon opened it: fetch it again
                 reason = " ".join(str(err).split())[:200] or type(err).__name__
-                raise DataError(f"{self.path} [{self.split}]: {self._where(record)} cannot be "
+                raise DataError(f"{self.name} [{self.split}]: {self._where(record)} cannot be "
                                 f"read ({reason}): a damaged shard") from None
         if raw is None:  # excluded by split.yaml
             raise BadSample("malformed record", "excluded by the split config")
@@ -464,13 +522,19 @@ class ImageTextDataset(torch.utils.data.Dataset):
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise BadSample("malformed record", reason) from None
         messages, images = conversation_of(sample, self.caption_prompt)
-        return messages, images, where
+        return messages, MediaParts(images, videos_of(sample, messages)), where
 
-    def _pixels(self, images: Sequence[bytes]) -> Dict[str, torch.Tensor]:
+    def _pixels(self, media: MediaParts, messages) -> Dict[str, torch.Tensor]:
         try:
-            return self.images.pixels(images)
+            if media.videos:
+                return self.images.pixels(media.images, media.videos, media_marks(messages))
+            return self.images.pixels(media.images)
         except ImageDecodeError as err:
             raise BadSample("undecodable image", str(err)) from None
+        except VideoDecodeError as err:
+            raise BadSample("undecodable video", str(err)) from None
+        except ImageCountMismatch as err:
+            raise BadSample("video count mismatch", str(err)) from None
 
     def _expand(self, ids: List[int], targets: List[int], pixels: Dict[str, torch.Tensor]
                 ) -> Tuple[List[int], List[int]]:
@@ -480,11 +544,13 @@ class ImageTextDataset(torch.utils.data.Dataset):
         except ImageCountMismatch as err:
             raise BadSample("image count mismatch", str(err)) from None
 
-    def _encode(self, messages, images: Sequence[bytes]) -> Dict[str, torch.Tensor]:
-        pixels = self._pixels(images)
-        ids, targets = render_chat(self.tokens, self.images.messages(messages))
+    def _encode(self, messages, media: MediaParts) -> Dict[str, torch.Tensor]:
+        pixels = self._pixels(media, messages)
+        ids, targets = render_chat(self.tokens, self.images.messages(messages, pixels))
         ids, targets = self._expand(ids, targets, pixels)
         self._check_fits(len(ids), pixels)
+        for key in TEXT_ONLY:  # written in the text
+            pixels.pop(key, None)
         return self._pack(ids, targets, pixels)
 
     def _check_fits(self, num_ids: int, pixels: Dict[str, torch.Tensor]) -> None:
@@ -511,11 +577,11 @@ class ImageTextDataset(torch.utils.data.Dataset):
         where = self._where(record)
         if self._warned < self.max_warnings:
             self._warned += 1
-            logger.warning("%s: %s: skipped %s: %s", self.path, where, err.reason, err)
-        elif self._warned == self.max_warnings:
+            logger.warning("%s: %s: skipped %s: %s", self.name, where, err.reason, err)
+        elif self._warned == self.max_warnings and self.max_warnings:  # after those shown
             self._warned += 1
             logger.warning("%s: more bad records skipped (not shown; counts in the metrics)",
-                           self.path)
+                           self.name)
 
     def _where(self, record: int) -> str:
         """'SHARD: sample KEY' of a record, from the index alone (it may not parse)."""
@@ -545,8 +611,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
             try:
                 messages, images, _ = self._read(record)
                 context, answer = split_for_generation(messages)
-                pixels = self._pixels(images)
-                prompt = build_generation_prompt(self.tokens, self.images.messages(context))
+                pixels = self._pixels(images, context)
+                prompt = build_generation_prompt(self.tokens,
+                                                 self.images.messages(context, pixels))
                 prompt, _ = self._expand(prompt, [0] * len(prompt), pixels)
                 self._check_fits(len(prompt) + len(self.tokenizer.encode(answer)) + 1, pixels)
             except BadSample as err:
@@ -560,7 +627,9 @@ class ImageTextDataset(torch.utils.data.Dataset):
         if isinstance(self.images, TiledImages):
             return GenerationPrompt(tokens, pixels["images"], pixels["num_image_tiles"])
         return GenerationPrompt(tokens, pixels["pixel_values"],
-                                image_grid_thw=pixels["image_grid_thw"])
+                                image_grid_thw=pixels["image_grid_thw"],
+                                videos=pixels.get("pixel_values_videos"),
+                                video_grid_thw=pixels.get("video_grid_thw"))
 
 
 @dataclass
@@ -574,6 +643,9 @@ class GenerationPrompt:
     images: torch.Tensor
     num_image_tiles: Optional[torch.Tensor] = None
     image_grid_thw: Optional[torch.Tensor] = None
+    videos: Optional[torch.Tensor] = None
+    """A tower's video patches ``[patches, ...]`` with ``video_grid_thw`` [videos, 3]."""
+    video_grid_thw: Optional[torch.Tensor] = None
 
 
 

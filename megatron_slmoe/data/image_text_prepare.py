@@ -8,7 +8,11 @@ Input: a JSON list (or JSON lines) of records::
                        {"from": "gpt", "value": "red"}]}
 
 (``"messages"`` with ``role``/``content`` is read too; roles human/user, gpt/assistant, system).
-Image paths are relative to the image folder.
+Image paths are relative to the image folder. Video clips come as ms-swift and LLaMA-Factory
+write them: ``"videos": ["clips/0001.mp4", ...]`` (or ``"video": "..."``), relative to the same
+folder, one ``<video>`` mark each in the text (chat samples only); each clip is decoded once
+(``data/video.py``, PyAV) to check it and stored as it was (the family's processor samples its
+frames when the data is read).
 
 Output, one folder (written under a temporary name and renamed when complete)::
 
@@ -16,7 +20,7 @@ Output, one folder (written under a temporary name and renamed when complete)::
                                                                       .info.json, index.sqlite}
 
 Each sample is ``KEY.json`` plus ``KEY.img0.<ext>``, ``KEY.img1.<ext>`` ... (the image bytes as
-they were). The JSON and ``dataset.yaml`` depend on the sample type:
+they were) and ``KEY.vid0.<ext>`` ... (the clips'). The JSON and ``dataset.yaml`` depend on the sample type:
 
 =========  ===========================================  ======================================
 type       KEY.json                                     dataset.yaml
@@ -31,8 +35,11 @@ type keeps the assistant text, the user turn becoming the reader's caption promp
 are indexed by energon's own preparation (``BaseWebdatasetFactory.prepare_dataset``).
 
 Records that cannot make a correct sample are skipped, counted by reason and logged with the file
-and record: malformed, image missing, image path leaving the image folder, undecodable image,
-``<image>`` count not matching the images, or not of the requested type.
+and record: malformed, image or clip missing, a path leaving the folder, undecodable image,
+undecodable clip (zero-length, corrupt, unsupported codec, no frames, frames of different sizes,
+longer than ``max_video_seconds``), ``<image>`` or ``<video>`` count not matching, or not of the
+requested type. With ``max_bad_fraction``, a split with more bad records than that fraction is
+refused (one line, nothing written).
 """
 
 from __future__ import annotations
@@ -44,12 +51,20 @@ import logging
 import os
 import tarfile
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from megatron_slmoe.data.errors import DataError, require_file
 from megatron_slmoe.utils.atomic import atomic_directory
 from megatron_slmoe.data.image import ImageDecodeError, decode_image
-from megatron_slmoe.data.image_text import IMAGE_EXTENSIONS, KINDS, BadSample, check_image_count
+from megatron_slmoe.data.config import VIDEO_TOKEN
+from megatron_slmoe.data.image_text import (
+    IMAGE_EXTENSIONS,
+    KINDS,
+    VIDEO_EXTENSIONS,
+    BadSample,
+    check_image_count,
+)
+from megatron_slmoe.data.video import MAX_SECONDS, VideoDecodeError, decode_clip
 from megatron_slmoe.data.instruction import MalformedRecord, parse_record
 
 logger = logging.getLogger(__name__)
@@ -57,7 +72,8 @@ logger = logging.getLogger(__name__)
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
               "system": "system"}
 PREPARE_REASONS = ("malformed record", "missing image", "path escapes dataset",
-                   "undecodable image", "image count mismatch", "wrong sample type")
+                   "undecodable image", "image count mismatch", "wrong sample type",
+                   "missing video", "undecodable video", "video count mismatch")
 _IMAGE_FIELDS = ",".join(f"img0.{ext}" for ext in IMAGE_EXTENSIONS)
 
 DATASET_YAML = {
@@ -72,10 +88,12 @@ DATASET_YAML = {
 
 @dataclass
 class ShardRecord:
-    """One sample to write: its JSON payload and its encoded images ``(extension, bytes)``."""
+    """One sample to write: its JSON payload, its encoded images and clips ``(extension,
+    bytes)``."""
 
     payload: dict
     images: List[Tuple[str, bytes]]
+    videos: List[Tuple[str, bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -139,6 +157,35 @@ def _image_paths(record: dict) -> List[str]:
     return paths
 
 
+def _video_paths(record: dict) -> List[str]:
+    if "videos" in record and "video" in record:
+        raise BadSample("malformed record", "has both 'video' and 'videos'")
+    paths = record.get("videos", [record["video"]] if "video" in record else [])
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+        raise BadSample("malformed record", "'video'/'videos' must be a path or a list of paths")
+    return paths
+
+
+def _read_video(media_dir: str, relative: str, max_seconds: float) -> Tuple[str, bytes]:
+    root = os.path.realpath(media_dir)
+    full = os.path.realpath(os.path.join(root, relative))
+    if os.path.commonpath([root, full]) != root:
+        raise BadSample("path escapes dataset", f"video {relative!r} is outside {media_dir}")
+    if not os.path.isfile(full):
+        raise BadSample("missing video", f"video {relative!r} not found in {media_dir}")
+    ext = os.path.splitext(full)[1].lstrip(".").lower()
+    if ext not in VIDEO_EXTENSIONS:
+        raise BadSample("undecodable video", f"video {relative!r}: extension {ext!r} is not one "
+                                             f"of {', '.join(VIDEO_EXTENSIONS)}")
+    with open(full, "rb") as f:
+        data = f.read()
+    try:
+        decode_clip(data, max_seconds)
+    except VideoDecodeError as err:
+        raise BadSample("undecodable video", f"video {relative!r}: {err}") from None
+    return ext, data
+
+
 def _read_image(image_dir: str, relative: str) -> Tuple[str, bytes]:
     root = os.path.realpath(image_dir)
     full = os.path.realpath(os.path.join(root, relative))
@@ -171,7 +218,8 @@ def _payload(kind: str, ident: str, messages: List[Dict[str, str]], num_images: 
 
 
 def llava_records(json_path: str, image_dir: str, kind: str, stats: PrepareStats,
-                  max_warnings: int = 20) -> Iterator[ShardRecord]:
+                  max_warnings: int = 20, max_video_seconds: float = MAX_SECONDS
+                  ) -> Iterator[ShardRecord]:
     """The good records of a LLaVA-style JSON file as ShardRecords of ``kind``; the others are
     counted in ``stats`` and logged (``FILE record N (id X): skipped REASON: ...``)."""
     if kind not in KINDS:
@@ -186,7 +234,16 @@ def llava_records(json_path: str, image_dir: str, kind: str, stats: PrepareStats
             messages = _messages(record)
             paths = _image_paths(record)
             check_image_count(messages, len(paths))
+            video_paths = _video_paths(record)
+            marks = sum(m["content"].count(VIDEO_TOKEN) for m in messages)
+            if marks != len(video_paths):
+                raise BadSample("video count mismatch", f"the text marks {marks} {VIDEO_TOKEN} "
+                                                        f"but the record has {len(video_paths)} "
+                                                        f"video(s)")
+            if video_paths and kind != "chat":
+                raise BadSample("wrong sample type", f"a {kind} sample holds no videos")
             images = [_read_image(image_dir, p) for p in paths]
+            videos = [_read_video(image_dir, p, max_video_seconds) for p in video_paths]
             payload = _payload(kind, ident, messages, len(images))
         except BadSample as err:
             stats.skipped[err.reason] += 1
@@ -195,7 +252,7 @@ def llava_records(json_path: str, image_dir: str, kind: str, stats: PrepareStats
                 logger.warning("%s record %d (id %s): skipped %s: %s", json_path, number, ident,
                                err.reason, err)
             continue
-        yield ShardRecord(payload, images)
+        yield ShardRecord(payload, images, videos)
 
 
 # --- writing shards -------------------------------------------------------------------------------
@@ -230,6 +287,8 @@ def write_shards(records: Iterable[ShardRecord], folder: str, split: str,
             _add_member(tar, f"{key}.json", json.dumps(record.payload, sort_keys=True).encode())
             for i, (ext, data) in enumerate(record.images):
                 _add_member(tar, f"{key}.img{i}.{ext}", data)
+            for i, (ext, data) in enumerate(record.videos):
+                _add_member(tar, f"{key}.vid{i}.{ext}", data)
             count += 1
     finally:
         if tar is not None:
@@ -264,10 +323,12 @@ def index_energon_dataset(folder: str, kind: str) -> None:
 
 
 def prepare_image_text(output: str, splits: Dict[str, Iterable[ShardRecord]], kind: str,
-                       samples_per_shard: int = 1000) -> Dict[str, int]:
+                       samples_per_shard: int = 1000,
+                       check: Optional[Callable[[], None]] = None) -> Dict[str, int]:
     """Write and index an energon dataset at ``output`` (which must not exist) from the records
     of each split; returns the samples written per split. Built under a temporary name and
-    renamed into place only when complete."""
+    renamed into place only when complete; ``check`` (raising DataError) runs once the records
+    are written, before anything is in place."""
     if os.path.exists(output):
         raise DataError(f"{output} already exists (choose a new output folder)")
     if samples_per_shard < 1:
@@ -275,6 +336,8 @@ def prepare_image_text(output: str, splits: Dict[str, Iterable[ShardRecord]], ki
     with atomic_directory(output) as staging:
         written = {split: write_shards(records, staging, split, samples_per_shard)
                    for split, records in splits.items()}
+        if check is not None:
+            check()
         empty = [s for s, n in written.items() if n == 0]
         if empty:
             raise DataError(f"split {empty[0]!r} has no usable records")
@@ -284,15 +347,31 @@ def prepare_image_text(output: str, splits: Dict[str, Iterable[ShardRecord]], ki
 
 def prepare_from_llava_json(output: str, train_json: str, image_dir: str, *, kind: str = "chat",
                             val_json: Optional[str] = None, samples_per_shard: int = 1000,
-                            max_warnings: int = 20) -> Tuple[Dict[str, int], Dict[str, PrepareStats]]:
+                            max_warnings: int = 20, max_bad_fraction: float = 1.0,
+                            max_video_seconds: float = MAX_SECONDS
+                            ) -> Tuple[Dict[str, int], Dict[str, PrepareStats]]:
     """The command behind ``tools/prepare_image_text.py``: (samples written, stats) per split."""
     if not os.path.isdir(image_dir):
         raise DataError(f"--image-dir {image_dir}: no such folder")
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise DataError(f"--max-bad-fraction must be in [0, 1], got {max_bad_fraction}")
+    if not max_video_seconds > 0:
+        raise DataError(f"--max-video-seconds must be positive, got {max_video_seconds}")
     sources = {"train": train_json, **({"val": val_json} if val_json else {})}
     stats = {split: PrepareStats() for split in sources}
-    splits = {split: llava_records(path, image_dir, kind, stats[split], max_warnings)
+    splits = {split: llava_records(path, image_dir, kind, stats[split], max_warnings,
+                                   max_video_seconds)
               for split, path in sources.items()}
-    written = prepare_image_text(output, splits, kind, samples_per_shard)
+
+    def within_bad_fraction() -> None:
+        for split, split_stats in stats.items():
+            bad = sum(split_stats.skipped.values())
+            if split_stats.records and bad / split_stats.records > max_bad_fraction:
+                raise DataError(f"{sources[split]}: {split_stats.summary()}: more bad records "
+                                f"than --max-bad-fraction {max_bad_fraction:g} allows (nothing "
+                                f"written)")
+
+    written = prepare_image_text(output, splits, kind, samples_per_shard, within_bad_fraction)
     for split, count in written.items():
         stats[split].written = count
     return written, stats

@@ -62,6 +62,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from megatron_slmoe.data import chat_template
 from megatron_slmoe.data.errors import DataError, require_file
 from megatron_slmoe.data.tokenizer import Tokenizer
 from megatron_slmoe.utils.jsonl import numbered_records
@@ -217,8 +218,6 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[Message]) -> Tuple[List
     (``data/chat_template.py``).
     """
     if tokenizer.chat_template is not None:
-        from megatron_slmoe.data import chat_template
-
         return chat_template.render_chat(tokenizer, messages)
     ids: List[int] = []
     targets: List[int] = []
@@ -242,8 +241,6 @@ def build_generation_prompt(tokenizer: Tokenizer, messages: Sequence[Message]) -
     if messages and messages[-1]["role"] == "assistant":
         raise DataError("build_generation_prompt: the last message is already the assistant's")
     if tokenizer.chat_template is not None:
-        from megatron_slmoe.data import chat_template
-
         return chat_template.generation_prompt(tokenizer, messages)
     ids, _ = render_chat(tokenizer, messages)
     return ids + [tokenizer.role_id("assistant")]

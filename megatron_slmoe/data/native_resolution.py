@@ -51,7 +51,7 @@ class NativeResolutionConfig:
     def from_preprocessor_config(cls, path: str) -> "NativeResolutionConfig":
         """The settings of a checkpoint's ``preprocessor_config.json``; one DataError line naming
         the file and the field when it is unreadable or a value is unusable."""
-        raw = _read_processor_settings(path)
+        raw = read_processor_settings(path)
         if "media_proc_cfg" in raw:
             raw = _from_published(raw["media_proc_cfg"], path)
         elif not {"patch_size", "merge_size", "max_patches", "size"} & raw.keys():
@@ -103,47 +103,18 @@ class NativeResolutionConfig:
         return torch.zeros(0, 3, self.patch_size, self.patch_size)
 
 
-class Qwen2VLPatches:
-    """Images as Qwen2-VL's image processor makes them (Qwen3-VL-MoE's checkpoints name it), by
-    transformers' own PIL implementation of it (``Qwen2VLImageProcessorPil``, which needs no
-    torchvision) with the checkpoint's settings: resized within the pixel budget to a multiple
-    of ``patch_size * merge_size`` a side, each frame repeated over ``temporal_patch_size``,
-    flattened patches ``[patches, channels * temporal * patch * patch]`` in merge order."""
-
-    def __init__(self, processor) -> None:
-        self.processor = processor
-
-    @classmethod
-    def from_preprocessor_config(cls, path: str) -> "Qwen2VLPatches":
-        """One DataError line naming the file when it is missing, unreadable or refused."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
-
-        raw = _read_processor_settings(path)
-        kind = raw.get("image_processor_type", "")
-        if not kind.startswith("Qwen2VLImageProcessor"):
-            raise DataError(f"{path}: image_processor_type {kind!r} is not Qwen2-VL's (the "
-                            f"checkpoint's config.json names a Qwen3-VL model)")
-        try:
-            return cls(Qwen2VLImageProcessorPil.from_dict(raw))
-        except (TypeError, ValueError) as err:
-            raise DataError(f"{path}: {' '.join(str(err).split())}") from None
-
-    @property
-    def tokens_per_merge(self) -> int:
-        return self.processor.merge_size ** 2
-
-    def patches(self, image) -> Tuple[torch.Tensor, Tuple[int, int, int]]:
-        out = self.processor(images=[image], return_tensors="pt")
-        return out["pixel_values"].float(), tuple(int(v) for v in out["image_grid_thw"][0])
-
-    def empty(self) -> torch.Tensor:
-        p = self.processor
-        return torch.zeros(0, 3 * p.temporal_patch_size * p.patch_size ** 2)
+def check_fits_tower(path: str, **settings: Tuple[int, int]) -> None:
+    """One DataError line when a setting of the image processor ``path`` is not the tower's
+    (``settings``: name -> (the processor's, the tower's, from config.json)): its patches would
+    not fit the tower, failing inside it or training on wrongly cut images."""
+    for name, (processor, tower) in settings.items():
+        if processor != tower:
+            raise DataError(f"{path}: {name} {processor} does not fit the checkpoint's tower "
+                            f"({name} {tower} in config.json's vision_config): use the image "
+                            f"processor settings the checkpoint was published with")
 
 
-def _read_processor_settings(path: str) -> dict:
+def read_processor_settings(path: str) -> dict:
     """A checkpoint's ``preprocessor_config.json``; one DataError line naming the file when it
     is missing or not a JSON object."""
     try:

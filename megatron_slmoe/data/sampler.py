@@ -21,6 +21,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 import torch
 
 from megatron_slmoe.data.errors import DataError
+from megatron_slmoe.parallel.layout import batch_split_problem
 
 
 class GlobalBatchSampler:
@@ -79,10 +80,9 @@ def micro_batches(global_batch: range, micro_batch_size: int, data_parallel_rank
                   data_parallel_size: int = 1) -> List[range]:
     """This rank's micro batches of a global batch: its :func:`rank_share`, cut into
     ``micro_batch_size`` pieces."""
-    gbs = len(global_batch)
-    if micro_batch_size < 1 or gbs % (micro_batch_size * max(data_parallel_size, 1)):
-        raise DataError(f"global batch size {gbs} is not divisible by micro batch size "
-                        f"{micro_batch_size} x data-parallel size {data_parallel_size}")
+    problem = batch_split_problem(len(global_batch), max(data_parallel_size, 1), micro_batch_size)
+    if problem:
+        raise DataError(problem)
     mine = rank_share(global_batch, data_parallel_rank, data_parallel_size)
     return [range(s, s + micro_batch_size)
             for s in range(mine.start, mine.stop, micro_batch_size)]
@@ -102,9 +102,9 @@ class RankReads:
     def __post_init__(self):
         rank_share(range(self.global_batch_size), self.data_parallel_rank,
                    self.data_parallel_size)  # a bad rank is refused there
-        if self.global_batch_size % self.data_parallel_size:
-            raise DataError(f"global batch size {self.global_batch_size} is not divisible by "
-                            f"data-parallel size {self.data_parallel_size}")
+        problem = batch_split_problem(self.global_batch_size, self.data_parallel_size)
+        if problem:
+            raise DataError(problem)
 
     def mine(self, position: int) -> bool:
         window = self._window(position)

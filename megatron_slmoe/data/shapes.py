@@ -44,6 +44,10 @@ import random
 import sys
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
+from megatron_slmoe.data.scoring import exact_match
+from megatron_slmoe.utils.atomic import atomic_directory
+from megatron_slmoe.utils.jsonl import numbered_records
+
 SEED = 20250301
 CANVAS = 32
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 80, 220),
@@ -160,9 +164,6 @@ def question_kind(prompt: str) -> str:
 def score_answers(path: str) -> Dict[str, Tuple[int, int]]:
     """(correct, total) exact-match answers by question kind, and ``all``, of a run's answers
     file (``answers_after_training.jsonl``: prompt, answer, reference per line)."""
-    from megatron_slmoe.data.scoring import exact_match
-    from megatron_slmoe.utils.jsonl import numbered_records
-
     scores = {kind: [0, 0] for kind in (*QUESTION_KINDS, "all")}
     for number, row in numbered_records(path):
         if isinstance(row, ValueError) or not isinstance(row, dict):
@@ -247,8 +248,6 @@ def stale_reason(out_dir: str) -> Optional[str]:
 def ensure_shapes_task(out_dir: str, seed: int = SEED) -> Dict[str, str]:
     """The task's dataset paths under ``out_dir``, generated on first use under a temporary name
     and renamed into place when complete. Call it on one rank (then barrier)."""
-    from megatron_slmoe.utils.atomic import atomic_directory
-
     paths = {"captions": os.path.join(out_dir, "captions"), "vqa": os.path.join(out_dir, "vqa")}
     if os.path.isdir(out_dir):
         return paths

@@ -35,6 +35,7 @@ import os
 import random
 from typing import Dict, List, Sequence, Tuple
 
+from megatron_slmoe.data.tokenizer import train_tokenizer
 from megatron_slmoe.utils.atomic import write_text_atomic
 
 SEED = 20240611
@@ -200,8 +201,6 @@ def write_assets(out_dir: str, seed: int = SEED, tokenizer: bool = True) -> Dict
                        (TASK_EVAL_FILE, records_to_jsonl(evals))):
         write_text_atomic(paths[name], text)
     if tokenizer:
-        from megatron_slmoe.data.tokenizer import train_tokenizer
-
         train_tokenizer([paths[CORPUS_FILE], paths[TASK_TRAIN_FILE]], TOKENIZER_VOCAB,
                         paths[TOKENIZER_FILE])
     else:

@@ -30,6 +30,7 @@ import json
 import os
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
+from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.errors import DataError, DataFileNotFoundError, require_file
 from megatron_slmoe.utils.atomic import write_text_atomic
 
@@ -235,8 +236,6 @@ def tokenizer_source(tokenizer: Optional[str], hf_checkpoint: Optional[str] = No
     recorded = recorded_tokenizer(base_checkpoint)
     if recorded:
         return recorded
-    from megatron_slmoe.data.assets import asset_path
-
     return asset_path(SHIPPED_TOKENIZER)
 
 
@@ -384,8 +383,6 @@ def write_chatml_tokenizer(directory: str, texts: Optional[list[str]] = None,
     """A byte-level BPE tokenizer with ChatML's special tokens and template, trained on
     ``texts`` (default: the shipped demo corpus), as a checkpoint directory holds it."""
     import tokenizers
-
-    from megatron_slmoe.data.assets import asset_path
 
     if texts is None:
         texts = list(iter_training_texts(asset_path("corpus.txt")))

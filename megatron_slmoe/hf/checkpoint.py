@@ -18,7 +18,15 @@ shard's header once per tensor, which dominated load time.)
 
 Block-scaled FP8 weights (DeepSeek-V3, Kimi-K2: ``float8_e4m3fn`` with a ``<name>_scale_inv``
 tensor of one fp32 scale per ``weight_block_size`` block) are dequantised slice by slice as they
-are read; see :func:`dequantize_block_fp8`.
+are read (``ops.quantized_weights.dequantize_block_fp8``).
+
+Weights packed by compressed-tensors (``<name>_packed`` with ``<name>_scale``: Kimi K3's MXFP4
+experts, uint8 nibbles with an E8M0 byte per 32 inputs; Kimi-K2.5's INT4 ``pack-quantized``,
+int32 words of eight nibbles with a scale per group) appear in the catalogue under ``<name>``
+with their logical shape as well, so the family tables name them as any weight; a read decodes
+the slice (rows, and columns at group boundaries) with ``ops.quantized_weights``;
+``read_packed`` gives the same slice as stored (packed values and scales, nothing decoded), for
+experts held packed.
 """
 
 from __future__ import annotations
@@ -32,7 +40,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_slmoe.hf.errors import HFCheckpointError
+from megatron_slmoe.families.errors import HFCheckpointError
+from megatron_slmoe.ops.quantized_weights import (
+    INT4,
+    MXFP4,
+    MXFP4_GROUP,
+    decode_int4,
+    decode_mxfp4,
+    dequantize_block_fp8,
+)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -42,18 +58,61 @@ _FP8 = ("F8_E4M3", "F8_E5M2")
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit on the JSON table
 
 
+PACKED_SUFFIX, PACKED_SCALE_SUFFIX = "_packed", "_scale"
+_PACKED_FORMATS = {"U8": (MXFP4, 2), "I32": (INT4, 8)}  # packed dtype -> (format, values/element)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives: its shard, dtype (safetensors spelling), shape, byte range."""
+    """Where one tensor lives: its shard, dtype (safetensors spelling, or the packed format of a
+    compressed-tensors weight), shape (the logical one for a packed weight), byte range."""
 
     file: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    packed: Optional[str] = None
+    """A packed weight: the key of its packed tensor (its scales: :attr:`scale`)."""
+    scale: Optional[str] = None
+    group: int = 0
+    """Inputs per scale of a packed weight."""
 
     @property
     def is_fp8(self) -> bool:
         return self.dtype in _FP8
+
+
+def _packed_weights(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """The logical weights of compressed-tensors' packed pairs (``<name>_packed`` and
+    ``<name>_scale``), each checked: a packed tensor without its scale, or a scale whose size
+    does not fit the packed tensor, is one line."""
+    found = {}
+    for key, info in tensors.items():
+        if not key.endswith("weight" + PACKED_SUFFIX):
+            continue
+        name = key[:-len(PACKED_SUFFIX)]
+        if info.dtype not in _PACKED_FORMATS or len(info.shape) != 2:
+            raise HFCheckpointError(f"{info.file}: tensor {key} is {info.dtype} "
+                                    f"{list(info.shape)}; a packed weight is 2-D uint8 (MXFP4) "
+                                    f"or int32 (INT4 pack-quantized)")
+        scale = tensors.get(name + PACKED_SCALE_SUFFIX)
+        if scale is None:
+            raise HFCheckpointError(f"{info.file}: tensor {key} has no {name}"
+                                    f"{PACKED_SCALE_SUFFIX} in any shard (a packed weight needs "
+                                    f"its scales)")
+        fmt, per_element = _PACKED_FORMATS[info.dtype]
+        rows, columns = info.shape[0], info.shape[1] * per_element
+        groups = scale.shape[1] if len(scale.shape) == 2 else 0
+        group = MXFP4_GROUP if fmt == MXFP4 else (columns // groups if groups else 0)
+        if (len(scale.shape) != 2 or scale.shape[0] != rows or not group
+                or groups * group != columns):
+            raise HFCheckpointError(f"{scale.file}: tensor {name}{PACKED_SCALE_SUFFIX} has shape "
+                                    f"{list(scale.shape)}; {key} {list(info.shape)} ({fmt}, "
+                                    f"{columns} inputs) needs [{rows}, "
+                                    f"{columns // (group or MXFP4_GROUP)}]")
+        found[name] = TensorInfo(info.file, fmt, (rows, columns), info.nbytes + scale.nbytes,
+                                 packed=key, scale=name + PACKED_SCALE_SUFFIX, group=group)
+    return found
 
 
 def _read_header(path: str) -> dict[str, TensorInfo]:
@@ -189,6 +248,7 @@ def _catalogue(directory: str) -> dict[str, TensorInfo]:
             if info is None or info.file != name:
                 raise HFCheckpointError(f"{os.path.join(directory, name)}: tensor {key} is not in "
                                         f"this shard, though {INDEX_FILE} places it there")
+    tensors.update(_packed_weights(tensors))
     return tensors
 
 
@@ -211,20 +271,6 @@ def _as_slices(index: Index, shape: Sequence[int]) -> list[slice]:
                 raise ValueError("only unit-step slices are read")
             out.append(slice(start, stop))
     return out
-
-
-def dequantize_block_fp8(values: torch.Tensor, scales: torch.Tensor, rows: slice, cols: slice,
-                         block: tuple[int, int]) -> torch.Tensor:
-    """fp32 of the block ``[rows, cols]`` of a block-scaled FP8 weight.
-
-    ``values`` is that block (FP8), ``scales`` the rows ``rows.start // block[0]`` ... and columns
-    ``cols.start // block[1]`` ... of the weight's ``scale_inv`` table (one fp32 factor per
-    ``block`` of the weight; edge blocks may be partial).
-    """
-    r0, c0 = rows.start % block[0], cols.start % block[1]
-    factors = scales.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    factors = factors[r0:r0 + values.shape[0], c0:c0 + values.shape[1]]
-    return values.float() * factors
 
 
 class SliceReader:
@@ -297,7 +343,9 @@ class SliceReader:
             if not 0 <= s.start <= s.stop <= size:
                 raise HFCheckpointError(f"{self.checkpoint.where(key)}: rows {s.start}:{s.stop} "
                                         f"of dim {dim} are outside its shape {list(info.shape)}")
-        if not info.is_fp8:
+        if info.packed is not None:
+            values = self._unpacked(key, info, slices)
+        elif not info.is_fp8:
             values = self._raw(key, slices)
         else:
             values = self._dequantized(key, info, slices)
@@ -307,7 +355,59 @@ class SliceReader:
         self.bytes_read += values.numel() * values.element_size()
         return values
 
+    def read_packed(self, key: str, index: Index = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed, scale) of the slice ``[rows, cols]`` of the packed weight ``key`` (its logical
+        name and coordinates), as stored: nothing decoded. Columns are cut at group bounds; a
+        block-FP8 weight gives its FP8 values and the scale_inv blocks the slice starts in (rows
+        and columns cut at block bounds)."""
+        info = self.checkpoint.tensors.get(key)
+        if info is None:
+            raise HFCheckpointError(f"{self.checkpoint.directory}: tensor {key} is in no shard")
+        if info.packed is None and not info.is_fp8:
+            raise HFCheckpointError(f"{self.checkpoint.where(key)} is {info.dtype}, not a packed "
+                                    f"weight")
+        slices = _as_slices(index, info.shape)
+        for dim, (s, size) in enumerate(zip(slices, info.shape)):
+            if not 0 <= s.start <= s.stop <= size:
+                raise HFCheckpointError(f"{self.checkpoint.where(key)}: rows {s.start}:{s.stop} "
+                                        f"of dim {dim} are outside its shape {list(info.shape)}")
+        if info.is_fp8:
+            packed, scale = self._fp8_slices(key, info, slices, aligned=True)
+        else:
+            packed, scale = self._packed_slices(key, info, slices)
+        self.bytes_read += sum(t.numel() * t.element_size() for t in (packed, scale))
+        return packed, scale
+
+    def _packed_slices(self, key: str, info: TensorInfo, slices: list[slice]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = slices
+        per_element = _PACKED_FORMATS[self.checkpoint.tensors[info.packed].dtype][1]
+        if cols.start % info.group or (cols.stop % info.group and cols.stop != info.shape[1]):
+            raise HFCheckpointError(f"{self.checkpoint.where(key)}: columns {cols.start}:"
+                                    f"{cols.stop} cut its {info.dtype} groups of {info.group}")
+        packed = self._raw(info.packed, [rows, slice(cols.start // per_element,
+                                                     cols.stop // per_element)])
+        scale = self._raw(info.scale, [rows, slice(cols.start // info.group,
+                                                   math.ceil(cols.stop / info.group))])
+        return packed, scale
+
+    def _unpacked(self, key: str, info: TensorInfo, slices: list[slice]) -> torch.Tensor:
+        """The slice of a packed weight, decoded (MXFP4 exactly in fp32; INT4 in its scales'
+        dtype, as compressed-tensors computes it)."""
+        packed, scale = self._packed_slices(key, info, slices)
+        if info.dtype == MXFP4:
+            return decode_mxfp4(packed, scale)
+        return decode_int4(packed, scale, info.group)
+
     def _dequantized(self, key: str, info: TensorInfo, slices: list[slice]) -> torch.Tensor:
+        values, scales = self._fp8_slices(key, info, slices)
+        rows, cols = slices
+        return dequantize_block_fp8(values, scales, rows, cols, self.checkpoint.fp8_block_size())
+
+    def _fp8_slices(self, key: str, info: TensorInfo, slices: list[slice], aligned: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 values of the slice and the scale_inv blocks it touches (``aligned``: the
+        slice must start on block bounds)."""
         if len(info.shape) != 2:
             raise HFCheckpointError(f"{self.checkpoint.where(key)}: FP8 tensor of shape "
                                     f"{list(info.shape)}; block scales are defined for 2-D weights")
@@ -319,9 +419,12 @@ class SliceReader:
             raise HFCheckpointError(f"{self.checkpoint.where(scale_key)} has shape "
                                     f"{list(scale_info.shape)}; weight {key} {list(info.shape)} "
                                     f"in blocks of {list(block)} needs {list(want)}")
-        rows, cols = slices
+        if aligned and any(s.start % b or (s.stop % b and s.stop != n)
+                           for s, b, n in zip(slices, block, info.shape)):
+            raise HFCheckpointError(f"{self.checkpoint.where(key)}: rows/columns "
+                                    f"{[(s.start, s.stop) for s in slices]} cut its FP8 blocks of "
+                                    f"{list(block)}")
         values = self._raw(key, slices)
         scale_slices = [slice(s.start // b, math.ceil(s.stop / b)) for s, b in zip(slices, block)]
-        scales = self._raw(scale_key, scale_slices)
-        return dequantize_block_fp8(values, scales, rows, cols, block)
+        return values, self._raw(scale_key, scale_slices)
 

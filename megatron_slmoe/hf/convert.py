@@ -17,6 +17,14 @@ import shutil
 import torch
 
 from megatron_slmoe.hf.loader import HFModel, load_hf_weights
+from megatron_slmoe.model.build import (
+    build_gpt_model,
+    mark_tensor_parallel_weights,
+    run_transformer_config,
+)
+from megatron_slmoe.model.model_file import dump_model_config
+from megatron_slmoe.parallel.config import ParallelConfig
+from megatron_slmoe.utils.atomic import atomic_directory, write_text_atomic
 
 MODEL_FILE = "model_config.yaml"
 
@@ -28,13 +36,6 @@ def build_model_in_layout(model_config, params_dtype: torch.dtype = torch.float3
     point builds it, without random initialisation (every tensor is about to be read).
     ``build(model_config, config, pre_process, post_process)``: default the GPTModel."""
     from megatron.core import parallel_state
-
-    from megatron_slmoe.parallel.config import ParallelConfig
-    from megatron_slmoe.model.build import (
-        build_gpt_model,
-        mark_tensor_parallel_weights,
-        run_transformer_config,
-    )
 
     parallel = ParallelConfig(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -65,9 +66,6 @@ def import_to_dist_checkpoint(hf: HFModel, output: str,
     must be absent or empty) and renames it into place once every rank has written its part, so a
     failure leaves nothing at ``output``."""
     from megatron.core import dist_checkpointing
-
-    from megatron_slmoe.model.model_file import dump_model_config
-    from megatron_slmoe.utils.atomic import atomic_directory, write_text_atomic
 
     output = os.path.abspath(output)
     rank = torch.distributed.get_rank()

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from megatron_slmoe.hf.errors import HFCheckpointError
+from megatron_slmoe.families.errors import HFCheckpointError
 from megatron_slmoe.hf.loader import HFModel, local_box, sharded_tensors
 from megatron_slmoe.hf.merged_export import hf_weights, write_hf_checkpoint
 from megatron_slmoe.hf.safetensors_stream import PlannedTensor

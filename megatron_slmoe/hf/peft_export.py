@@ -6,7 +6,9 @@ Output: ``adapter_config.json`` (a PEFT ``LoraConfig``) and ``adapter_model.safe
 PEFT's key names (``base_model.model.<HF module>.lora_A.weight``), written one tensor at a time
 (``safetensors_stream``) into a staging directory renamed into place.
 
-Two expert layouts (``--expert-layout``):
+Two expert layouts (``--export-hf-layout``; ``hf.export_layouts`` names every export layout, the
+engines that read it and its writer, and ``export_peft_adapter`` writes any of them with its
+manifest):
 
 * ``per-expert``: every routed expert's projections as modules
   (``model.layers.1.mlp.experts.5.gate_proj``), as checkpoints store them; what vLLM loads. PEFT
@@ -21,7 +23,11 @@ Two expert layouts (``--expert-layout``):
   router) are ``target_parameters`` too, so PEFT's conversion leaves them alone; attention
   projections stay modules. Every family loads this form in PEFT.
 
-The mapping is ``mappings.lora`` over the family's weight table (one place for both).
+A LoRA that adds nothing to its HF weight is left out (``idle_loras``): what the PEFT import
+gave zero factors because PEFT did not adapt it (k/v_proj beside an adapted q_proj, the dense MLP of
+an experts-only adapter), so an imported adapter exports back as PEFT wrote it.
+
+The mapping is ``hf.lora_mapping`` over the family's weight table (one place for both).
 """
 
 from __future__ import annotations
@@ -29,24 +35,38 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from megatron_slmoe.hf.errors import HFCheckpointError
+from megatron_slmoe.families.errors import HFCheckpointError
+from megatron_slmoe.hf.export_layouts import (
+    MANIFEST,
+    ExportJob,
+    export_layout,
+    manifest,
+    module_entry,
+)
 from megatron_slmoe.hf.loader import HFModel, open_hf_checkpoint
-from megatron_slmoe.hf.mappings.lora import HFLoRA, hf_loras, megatron_lora_modules
+from megatron_slmoe.hf.lora_mapping import (
+    HFLoRA,
+    hf_loras,
+    is_expert_module,
+    megatron_lora_modules,
+)
 from megatron_slmoe.hf.safetensors_stream import (
     DTYPE_NAMES,
     PlannedTensor,
     WindowedReader,
     write_streamed,
 )
+from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, read_adapter_config
+from megatron_slmoe.utils.atomic import atomic_directory, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("per-expert", "fused")
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 PEFT_KEY_PREFIX = "base_model.model."
@@ -67,10 +87,9 @@ class PeftTarget:
 
 
 def hf_meta_model(hf: HFModel):
-    """transformers' model of the base config on the meta device (names, module types)."""
-    with torch.device("meta"):
-        return hf.family.hf_model_class().from_config(
-            hf.family.hf_config(hf.checkpoint.config_path))
+    """The base model as transformers holds it, on the meta device (names, module types): the
+    family's (``Family.hf_meta_model``)."""
+    return hf.family.hf_meta_model(hf.checkpoint.config_path, hf.checkpoint.tensors)
 
 
 def _in_memory(hf: HFModel, canonical: str, params: dict) -> str:
@@ -141,18 +160,18 @@ def plan_targets(loras: list[HFLoRA], hf: HFModel, meta, layout: str) -> list[Pe
                 f"LoRA on Megatron {lora.megatron}: PEFT {_peft_version()} reads every "
                 f"{module.rpartition('.')[2]} target of a per-expert adapter of "
                 f"{type(meta).__name__} as expert LoRA, so {module} cannot be exported per "
-                f"expert: export with --expert-layout fused")
+                f"expert: export with --export-hf-layout fused")
         elif not is_linear and module.rpartition(".")[2] not in (conversion or {}):
             raise HFCheckpointError(
                 f"LoRA on Megatron {lora.megatron}: {module} is a "
                 f"{type(modules.get(module)).__name__}, which PEFT adapts only as a target "
-                f"parameter: export it with --expert-layout fused")
+                f"parameter: export it with --export-hf-layout fused")
         else:
             targets.append(PeftTarget(module, None, ((lora,),), 1))
     if fused_in_memory and conversion is None:
         log.warning("per-expert layout: %s holds its experts fused and PEFT %s converts a "
                     "per-expert adapter only for other model types, so PEFT on transformers "
-                    "would leave the expert LoRA out; for PEFT export --expert-layout fused",
+                    "would leave the expert LoRA out; for PEFT export --export-hf-layout fused",
                     type(meta).__name__, _peft_version())
     for name, experts in fused.items():
         count = params[name].shape[0]
@@ -212,7 +231,8 @@ def _peft_conversion(hf: HFModel) -> Optional[dict]:
     transformers' model, or None where it converts nothing for this type."""
     from megatron_slmoe.compat.peft import moe_target_module_mapping
 
-    return moe_target_module_mapping(hf.family.hf_config(hf.checkpoint.config_path).model_type)
+    model_type = hf.family.peft_model_type(hf.checkpoint.config_path)
+    return None if model_type is None else moe_target_module_mapping(model_type)
 
 
 def _renamed(hf: HFModel, name: str) -> str:
@@ -255,14 +275,33 @@ def _target_modules(targets: list[PeftTarget], meta, hf: HFModel) -> list[str]:
     return sorted(wanted)
 
 
+def _is_expert(target: PeftTarget) -> bool:
+    return target.experts > 1 or target.loras[0][0].expert is not None
+
+
 def peft_config_dict(lora_config, targets: list[PeftTarget], meta, hf: HFModel,
-                     base_model_name_or_path: Optional[str]) -> dict:
-    """adapter_config.json as PEFT's own ``LoraConfig`` writes it."""
+                     base_model_name_or_path: Optional[str],
+                     ranks: Optional[dict[str, int]] = None) -> dict:
+    """adapter_config.json as PEFT's own ``LoraConfig`` writes it. ``ranks`` (Megatron LoRA
+    module -> rank) gives routed experts a rank of their own (``rank_pattern``; alpha is one)."""
     from peft import LoraConfig
 
+    ranks = ranks or {}
+    rank_of = lambda t: ranks.get(t.loras[0][0].megatron, lora_config.rank)  # noqa: E731
+    dense = {rank_of(t) for t in targets if not _is_expert(t)}
+    experts = {rank_of(t) for t in targets if _is_expert(t)}
+    if len(dense) > 1 or len(experts) > 1:
+        raise HFCheckpointError(f"the adapter's modules have ranks {sorted(dense | experts)}; a "
+                                f"PEFT adapter takes one rank and one for the routed experts")
+    # r is the experts' rank and the other targets' rank a rank_pattern of their exact names: PEFT
+    # turns a per-expert adapter of the types it converts into fused experts of rank r (times the
+    # projections fused), whatever rank_pattern says of the experts.
+    rank = next(iter(experts or dense), lora_config.rank)
+    rank_pattern = {re.escape(f"{t.module}.{t.parameter}" if t.parameter else t.module): rank_of(t)
+                    for t in targets if not _is_expert(t) and rank_of(t) != rank}
     parameters = sorted(f"{t.module}.{t.parameter}" for t in targets if t.parameter is not None)
     config = LoraConfig(
-        r=lora_config.rank, lora_alpha=lora_config.alpha,
+        r=rank, lora_alpha=lora_config.alpha, rank_pattern=rank_pattern,
         target_modules=_target_modules(targets, meta, hf) or None,
         target_parameters=parameters or None,
         # PEFT's parameter LoRA has no dropout; inference ignores dropout anyway.
@@ -276,8 +315,9 @@ def peft_config_dict(lora_config, targets: list[PeftTarget], meta, hf: HFModel,
     return json.loads(json.dumps(document, default=str))
 
 
-def planned_tensors(targets: list[PeftTarget], source, rank: int) -> list[PlannedTensor]:
-    """Every PEFT tensor, produced from the adapter file ``source`` (a WindowedReader)."""
+def planned_tensors(targets: list[PeftTarget], source) -> list[PlannedTensor]:
+    """Every PEFT tensor, produced from the adapter file ``source`` (a WindowedReader); each
+    target's rank is its LoRA module's (the routed experts may have their own)."""
 
     def read(name: str) -> torch.Tensor:
         return source.get_tensor(name)
@@ -294,6 +334,7 @@ def planned_tensors(targets: list[PeftTarget], source, rank: int) -> list[Planne
     for t in targets:
         key = f"{PEFT_KEY_PREFIX}{t.key_module}"
         first = t.loras[0][0]
+        rank = source.get_slice(f"{first.megatron}.lora_A.weight").get_shape()[0]
         out = sum(p.out_features for p in t.loras[0])
         if t.experts == 1 and (t.parameter is None or len(t.loras[0]) == 1):
             (lora,) = t.loras[0]
@@ -320,22 +361,25 @@ def _source_dtype(source) -> torch.dtype:
     return names[source.get_slice(next(iter(source.keys()))).get_dtype()]
 
 
-def export_peft_adapter(adapter_dir: str, hf_dir, output: str, layout: str = "per-expert",
-                        base_model_name_or_path: Optional[str] = None) -> str:
-    """Write the PEFT adapter of ``adapter_dir`` for the HF base ``hf_dir`` into the new (or
-    empty) directory ``output``; returns its absolute path. Bad input is one
-    HFCheckpointError / AdapterError line and leaves nothing at ``output``."""
-    from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, read_adapter_config
-    from megatron_slmoe.utils.atomic import atomic_directory, write_json_atomic
+def idle_loras(source, module: str, loras: list[HFLoRA]) -> list[HFLoRA]:
+    """The HF LoRAs of the Megatron LoRA module ``module`` that add nothing to their weight: all
+    of them where its A and B are zero (a module PEFT did not adapt; nothing trains it either), or
+    those whose rows of B are zero while others are not (k/v_proj beside an adapted q_proj). B
+    zero under a non-zero A is an adapter not yet trained: kept."""
+    b = source.get_tensor(f"{module}.lora_B.weight")
+    if not b.any():
+        return list(loras) if not source.get_tensor(f"{module}.lora_A.weight").any() else []
+    return [lora for lora in loras
+            if not any(b[r.megatron[0]:r.megatron[1]].any() for r in lora.rows)]
 
-    if layout not in LAYOUTS:
-        raise HFCheckpointError(f"expert layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-    lora_config, _ = read_adapter_config(adapter_dir)
-    hf = hf_dir if isinstance(hf_dir, HFModel) else open_hf_checkpoint(hf_dir, check_shapes=False)
+
+def write_peft_layout(job: ExportJob, staging: str) -> list[dict]:
+    """The per-expert and fused layouts' writer (``hf.export_layouts``): adapter_config.json and
+    adapter_model.safetensors into ``staging``; returns the manifest's modules."""
+    hf, layout = job.hf, job.layout.name
     table = hf.family.table(hf.model_config)
     meta = hf_meta_model(hf)
-    weights = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
-    output = os.path.abspath(output)
+    weights = os.path.join(job.adapter_dir, ADAPTER_WEIGHTS)
     with WindowedReader(weights) as source:
         shapes = {name: tuple(source.get_slice(name).get_shape()) for name in source.keys()}
         loras = []
@@ -343,14 +387,40 @@ def export_peft_adapter(adapter_dir: str, hf_dir, output: str, layout: str = "pe
             a, b = shapes.get(f"{module}.lora_A.weight"), shapes.get(f"{module}.lora_B.weight")
             if a is None or b is None:
                 raise HFCheckpointError(f"{weights}: {module} has only one LoRA factor")
-            loras += hf_loras(table, module, b[0], a[1], hf.family.name)
+            own = hf_loras(table, module, b[0], a[1], hf.family.name)
+            idle = idle_loras(source, module, own)
+            if layout == "fused" and is_expert_module(module) and len(idle) < len(own):
+                idle = []  # gate and up share one fused tensor: both or neither
+            loras += [lora for lora in own if lora not in idle]
+        if not loras:
+            raise HFCheckpointError(f"{weights}: every LoRA factor pair is zero; nothing to "
+                                    f"export")
         check_shapes(loras, hf, meta)
         targets = plan_targets(loras, hf, meta, layout)
-        config = peft_config_dict(lora_config, targets, meta, hf,
-                                  base_model_name_or_path or hf.checkpoint.directory)
-        planned = planned_tensors(targets, source, lora_config.rank)
-        with atomic_directory(output) as staging:
-            write_streamed(os.path.join(staging, PEFT_WEIGHTS), planned,
-                           metadata={"format": "pt"})
-            write_json_atomic(os.path.join(staging, PEFT_CONFIG), config)
+        ranks = {m: shapes[f"{m}.lora_A.weight"][0] for m in megatron_lora_modules(shapes)}
+        config = peft_config_dict(job.lora_config, targets, meta, hf,
+                                  job.base_model_name_or_path, ranks)
+        write_streamed(os.path.join(staging, PEFT_WEIGHTS), planned_tensors(targets, source),
+                       metadata={"format": "pt"})
+    write_json_atomic(os.path.join(staging, PEFT_CONFIG), config)
+    return [module_entry(t.module, ranks[t.loras[0][0].megatron], job.lora_config.alpha,
+                         t.parameter, t.experts, t.loras[0][0].megatron) for t in targets]
+
+
+def export_peft_adapter(adapter_dir: str, hf_dir, output: str, layout: str = "per-expert",
+                        base_model_name_or_path: Optional[str] = None) -> str:
+    """Write the adapter of ``adapter_dir`` for the HF base ``hf_dir`` in the export layout
+    ``layout`` (``hf.export_layouts.LAYOUTS``) into the new (or empty) directory ``output``,
+    with its manifest; returns its absolute path. Bad input is one HFCheckpointError /
+    AdapterError line and leaves nothing at ``output``."""
+    lora_config, _ = read_adapter_config(adapter_dir)
+    entry = export_layout(layout, lora_config.expert_layout)
+    hf = hf_dir if isinstance(hf_dir, HFModel) else open_hf_checkpoint(hf_dir, check_shapes=False)
+    job = ExportJob(adapter_dir, lora_config, hf, entry,
+                    base_model_name_or_path or hf.checkpoint.directory)
+    output = os.path.abspath(output)
+    with atomic_directory(output) as staging:
+        modules = entry.write_function()(job, staging)
+        write_json_atomic(os.path.join(staging, MANIFEST),
+                          manifest(job, modules, os.listdir(staging)))
     return output

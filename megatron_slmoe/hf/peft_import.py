@@ -6,14 +6,20 @@ expert) is a LoRA ``s_t B_t A_t`` on one or more HF weights (a fused ``gate_up_p
 gate_proj and up_proj of each expert). A Megatron LoRA module whose weight is made of several HF
 weights (``linear_qkv`` of q/k/v_proj, ``linear_fc1`` of gate/up_proj) gets the PEFT targets
 stacked: A is the targets' A one above the other, B is block diagonal with each target's B (times
-its scaling ``s_t``) in the rows the weight table gives its HF weights. That is exact; the
-Megatron rank is the largest such stack (smaller ones zero-padded) and the scaling is 1
-(``alpha = rank``; the PEFT scalings, rank_pattern, alpha_pattern and rsLoRA, are in B). Modules
-of the adapted targets that PEFT did not adapt get zero factors. The mapping is
-``mappings.lora`` over the family's weight table, as for export.
+its scaling ``s_t``, over the module's) in the rows the weight table gives its HF weights.
+That is exact; the Megatron rank is the largest such stack (smaller ones zero-padded). The
+module's scale is PEFT's own where every adapted dense module (none adapted: every expert's) has
+one PEFT scaling, so B is PEFT's B unchanged; else 1 (rank_pattern, alpha_pattern, rsLoRA in B).
 
-Refused, one line each: not LoRA, DoRA, a bias, fan_in_fan_out, a key no HF weight of the base
-has, a factor whose shape disagrees with the base.
+A LoRA target adapts all its modules, so a module that PEFT did not adapt inside an adapted
+target (the dense MLP of an experts-only adapter, k/v_proj beside a q_proj in linear_qkv) gets
+zero factors: no LoRA in effect, and the PEFT export leaves such zero LoRAs out again
+(``peft_export.adds_nothing``). The mapping is ``hf.lora_mapping`` over the family's weight
+table, as for export.
+
+Refused, one line each: not LoRA, DoRA, a bias, fan_in_fan_out, a tensor that is not a LoRA
+factor (modules_to_save, embedding LoRA, trainable tokens), no LoRA at all, a key no HF weight of
+the base has, a factor whose shape disagrees with the base, a stacked rank over the largest.
 """
 
 from __future__ import annotations
@@ -27,17 +33,23 @@ from typing import Optional
 
 import torch
 
-from megatron_slmoe.hf.errors import HFCheckpointError
+from megatron_slmoe.families.errors import HFCheckpointError
+from megatron_slmoe.families.kinds import PerExpert
 from megatron_slmoe.hf.loader import HFModel, open_hf_checkpoint
-from megatron_slmoe.hf.mappings.kinds import PerExpert
-from megatron_slmoe.hf.mappings.lora import LORA_TARGET_OF_RULE, hf_loras
-from megatron_slmoe.hf.peft_export import (
-    PEFT_CONFIG,
-    PEFT_KEY_PREFIX,
-    PEFT_WEIGHTS,
-    hf_meta_model,
-)
+from megatron_slmoe.hf.lora_mapping import LORA_TARGET_OF_RULE, hf_loras, is_expert_module
+from megatron_slmoe.hf.peft_export import PEFT_CONFIG, PEFT_KEY_PREFIX, PEFT_WEIGHTS, hf_meta_model
 from megatron_slmoe.hf.safetensors_stream import PlannedTensor, write_streamed
+from megatron_slmoe.lora.adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    FORMAT_VERSION,
+    TENSOR_NAMING,
+    adapter_config_json,
+    module_scales,
+)
+from megatron_slmoe.lora.config import MAX_LORA_RANK, LoRAConfig
+from megatron_slmoe.lora.targets import TARGETS
+from megatron_slmoe.utils.atomic import atomic_directory, write_text_atomic
 
 
 log = logging.getLogger(__name__)
@@ -102,6 +114,12 @@ def peft_blocks(directory: str, hf: HFModel, meta, config: dict, shapes: dict
     targeted = config.get("target_parameters") or []
     blocks: dict[str, SourceBlock] = {}
     weights = os.path.join(directory, PEFT_WEIGHTS)
+    other = sorted(k for k in shapes if not k.endswith((".lora_A.weight", ".lora_B.weight")))
+    if other:  # a full weight (modules_to_save), embedding LoRA, trainable tokens
+        raise HFCheckpointError(f"{weights}: {other[0]} is not a LoRA factor of a linear "
+                                f"weight; only those are imported")
+    if not any(k.endswith(".lora_A.weight") for k in shapes):
+        raise HFCheckpointError(f"{weights}: holds no LoRA factor")
     for a_key in [k for k in shapes if k.endswith(".lora_A.weight")]:
         key = a_key[:-len(".lora_A.weight")]
         b_shape, a_shape = shapes.get(f"{key}.lora_B.weight"), shapes[a_key]
@@ -208,17 +226,6 @@ def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float]
     ``hf_dir`` into the new (or empty) directory ``output``; returns its path."""
     from safetensors import safe_open
 
-    from megatron_slmoe.lora.config import LoRAConfig
-    from megatron_slmoe.lora.adapter import (
-        ADAPTER_CONFIG,
-        ADAPTER_WEIGHTS,
-        FORMAT_VERSION,
-        TENSOR_NAMING,
-        adapter_config_json,
-    )
-    from megatron_slmoe.lora.targets import TARGETS
-    from megatron_slmoe.utils.atomic import atomic_directory, write_text_atomic
-
     config = read_peft_config(peft_dir)
     hf = hf_dir if isinstance(hf_dir, HFModel) else open_hf_checkpoint(hf_dir, check_shapes=False)
     _warn_if_another_base(config, hf, peft_dir)
@@ -265,7 +272,27 @@ def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float]
     def _experts(key):
         return next(b.experts for b in blocks.values() if b.key == key)
 
-    rank = max([sum(r_of(k) for k, _ in stacked(used)) for *_, used in modules.values()] or [1])
+    # The routed experts keep a rank of their own (PEFT's rank_pattern). Only modules PEFT
+    # adapted count: the others get zero factors of their kind's rank.
+    def needed(expert: bool) -> list[int]:
+        return [sum(r_of(k) for k, _ in stacked(used)) for module, (*_, used) in modules.items()
+                if used and is_expert_module(module) == expert]
+
+    rank = max(needed(False) or needed(True))
+    expert_rank = max(needed(True) or [rank])
+    if max(rank, expert_rank) > MAX_LORA_RANK:
+        raise HFCheckpointError(f"{path}: its LoRAs stack to rank {max(rank, expert_rank)} in "
+                                f"one Megatron module, over the largest, {MAX_LORA_RANK}")
+    # alpha: PEFT's own scale on the dense modules (none adapted: the experts), when one, so their
+    # B is PEFT's unchanged and an export gives PEFT's tensors back; else a scale of 1.
+    # (With no dense module adapted, rank is the experts'.)
+    reference = {b.scaling for m, (*_, used) in modules.items() for _, b in used
+                 if is_expert_module(m) == (not needed(False))}
+    alpha = rank * (min(reference) if len(reference) == 1 and min(reference) > 0 else 1.0)
+
+    def rank_of(module: str) -> int:
+        return expert_rank if is_expert_module(module) else rank
+
     for key in {b.key for b in blocks.values()}:
         a, b = shapes[f"{key}.lora_A.weight"], shapes[f"{key}.lora_B.weight"]
         if a[0] != b[1]:
@@ -291,8 +318,10 @@ def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float]
     planned = []
     for module, (_, out, in_features, used) in modules.items():
         columns = stacked(used)
+        r_module = rank_of(module)
+        module_scaling = alpha / r_module
 
-        def make_a(columns=columns, in_features=in_features, used=used):
+        def make_a(columns=columns, in_features=in_features, used=used, rank=r_module):
             result = torch.zeros(rank, in_features)
             col = 0
             for key, expert in columns:
@@ -302,7 +331,7 @@ def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float]
                 col += a.shape[0]
             return result
 
-        def make_b(columns=columns, out=out, used=used):
+        def make_b(columns=columns, out=out, used=used, rank=r_module, s=module_scaling):
             result = torch.zeros(out, rank)
             offsets, col = {}, 0
             for key, expert in columns:
@@ -311,7 +340,9 @@ def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float]
             for lora, block in used:
                 _, b = expert_factors(block.key, block.expert, block.experts)
                 start = offsets[block.key, block.expert]
-                part = b[block.rows[0]:block.rows[1]] * block.scaling
+                part = b[block.rows[0]:block.rows[1]]
+                if not math.isclose(block.scaling, s, rel_tol=1e-12):  # B as PEFT's, if it can
+                    part = part * (block.scaling / s)
                 if part.shape[0] != lora.out_features:
                     raise HFCheckpointError(f"{path}: {block.key} gives {lora.hf_weight} "
                                             f"{part.shape[0]} rows, the base has "
@@ -321,10 +352,12 @@ def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float]
                         part[row.hf[0]:row.hf[1]]
             return result
 
-        planned += [PlannedTensor(f"{module}.lora_A.weight", torch.float32, (rank, in_features),
-                                  make_a),
-                    PlannedTensor(f"{module}.lora_B.weight", torch.float32, (out, rank), make_b)]
-    lora_config = LoRAConfig(rank=rank, alpha=float(rank),
+        planned += [PlannedTensor(f"{module}.lora_A.weight", torch.float32,
+                                  (r_module, in_features), make_a),
+                    PlannedTensor(f"{module}.lora_B.weight", torch.float32, (out, r_module),
+                                  make_b)]
+    lora_config = LoRAConfig(rank=rank, alpha=alpha,
+                             expert_rank=expert_rank if expert_rank != rank else 0,
                              targets=[t for t in TARGETS if t in targets],
                              dropout=float(config.get("lora_dropout", 0.0) if dropout is None
                                            else dropout))
@@ -335,6 +368,7 @@ def peft_to_adapter(peft_dir: str, hf_dir, output: str, dropout: Optional[float]
                        metadata={"format": "pt", "format_version": str(FORMAT_VERSION),
                                  "tensor_naming": TENSOR_NAMING})
         write_text_atomic(os.path.join(staging, ADAPTER_CONFIG), adapter_config_json(
-            lora_config, {"hf_checkpoint": hf.checkpoint.directory, "peft_adapter": peft_dir}))
+            lora_config, {"hf_checkpoint": hf.checkpoint.directory, "peft_adapter": peft_dir},
+            module_scales(lora_config, {p.name: p.shape for p in planned})))
     source.__exit__(None, None, None)
     return output

@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_slmoe.hf.errors import HFCheckpointError
+from megatron_slmoe.families.errors import HFCheckpointError
 from megatron_slmoe.utils.atomic import fsync_path
 
 DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -11,12 +11,18 @@ Weights are N(0, ``init_std``), norms 1, biases 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
+
+from megatron_slmoe.families import family_for
+from megatron_slmoe.families.base import ConfigReader
+from megatron_slmoe.families.errors import HFCheckpointError
+from megatron_slmoe.utils.atomic import atomic_directory, write_json_atomic
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     # Qwen3-30B-A3B's layer (config.json of Qwen/Qwen3-30B-A3B), with the layer count a flag.
@@ -49,6 +55,45 @@ def hf_config(model_type: str, num_layers: int, **fields):
     return AutoConfig.for_model(model_type, num_hidden_layers=num_layers, **fields)
 
 
+def checked_config(model_type: str, num_layers: int, fields: dict[str, Any], where: str):
+    """``hf_config`` of ``fields`` over the model type's defaults, read first as the import reads
+    a config.json (the family's schema: ``families.family_for(...).model_config``), so that an
+    unknown field, a mistyped or impossible value (a width of 0, fewer experts than the top-k)
+    is one HFCheckpointError line naming it, not a traceback or a checkpoint of it."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    default = AutoConfig.for_model(model_type)
+    defaults = default.to_dict()
+    known = {*defaults, *getattr(default, "attribute_map", {}),
+             *(f.name for f in dataclasses.fields(default) if dataclasses.is_dataclass(default)),
+             *(alias for names in ConfigReader.ALIASES.values() for alias in names),
+             *next((preset for kind, preset in PRESETS.values() if kind == model_type), {})}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise HFCheckpointError(f"{where}: {unknown[0]!r} is not a field of a {model_type} "
+                                f"config")
+    config = {**defaults, **fields, "num_hidden_layers": num_layers,
+              "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]}
+    family_for(config, where).model_config(config, where)
+    return hf_config(model_type, num_layers, **fields)
+
+
+def largest_shard(config, dtype: torch.dtype) -> tuple[str, int]:
+    """(name, bytes of memory) of the shard that ``write_random_checkpoint`` holds at its peak:
+    its tensors in ``dtype``, and one tensor drawn in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = {group: sum(shape.numel() for _, shape in weights) * itemsize
+             + max(shape.numel() for _, shape in weights) * 4
+             for group, weights in _groups(meta).items()}
+    name = max(sizes, key=sizes.get)
+    return name, sizes[name]
+
+
 def _groups(meta_model) -> "OrderedDict[str, list[tuple[str, torch.Size]]]":
     """The model's weights by shard: one per decoder layer, one for everything else."""
     groups: OrderedDict[str, list] = OrderedDict()
@@ -73,27 +118,39 @@ def write_random_checkpoint(config, output: str, *, seed: int = 0, init_std: flo
     """Write ``config``'s model with random weights into the new directory ``output`` (config,
     sharded safetensors with their index; ``add_files(directory)`` adds more, e.g. a tokenizer,
     before it appears); returns {shard file: bytes}."""
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-
-    from megatron_slmoe.utils.atomic import atomic_directory, write_json_atomic
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     groups = _groups(meta)
     gen = torch.Generator().manual_seed(seed)
+    config.architectures = [type(meta).__name__]
+    shards = ({name: _random(name, shape, gen, init_std, dtype) for name, shape in weights}
+              for weights in groups.values())
+    return write_shards(output, config.save_pretrained, shards, len(groups), digits=5,
+                        add_files=add_files)
+
+
+def write_shards(output: str, write_config: Callable[[str], None],
+                 shards: Iterable[dict[str, torch.Tensor]], count: int, *, digits: int,
+                 add_files: Optional[Callable[[str], None]] = None) -> dict[str, int]:
+    """The one writer of a sharded checkpoint into the new directory ``output``, which appears
+    whole or not at all: ``write_config(directory)``, then each of the ``count`` tensor dicts that
+    ``shards`` makes as ``model-<n>-of-<count>.safetensors`` (``digits`` wide), written and
+    dropped before the next is made (peak: one shard), their index, then ``add_files(directory)``.
+    Returns {shard file: bytes}."""
+    from safetensors.torch import save_file
+
     sizes: dict[str, int] = {}
     weight_map: dict[str, str] = {}
-    config.architectures = [type(meta).__name__]
     with atomic_directory(output) as staging:
-        config.save_pretrained(staging)
-        for number, (group, weights) in enumerate(groups.items()):
-            filename = f"model-{number + 1:05d}-of-{len(groups):05d}.safetensors"
-            tensors = {name: _random(name, shape, gen, init_std, dtype) for name, shape in weights}
-            save_file(tensors, os.path.join(staging, filename), metadata={"format": "pt"})
+        write_config(staging)
+        for number, shard in enumerate(shards):
+            filename = f"model-{number + 1:0{digits}d}-of-{count:0{digits}d}.safetensors"
+            save_file(shard, os.path.join(staging, filename), metadata={"format": "pt"})
             sizes[filename] = os.path.getsize(os.path.join(staging, filename))
-            weight_map.update(dict.fromkeys(tensors, filename))
-            del tensors  # one shard in memory at a time
+            weight_map.update(dict.fromkeys(shard, filename))
+            del shard  # one shard in memory at a time
         write_json_atomic(os.path.join(staging, "model.safetensors.index.json"),
                           {"metadata": {"total_size": sum(sizes.values())},
                            "weight_map": weight_map})

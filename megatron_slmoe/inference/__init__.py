@@ -1,4 +1,5 @@
-"""Text generation with Megatron-Core's GPTModel and its KV cache, in any parallel layout."""
+"""Text generation with Megatron-Core's GPTModel and its KV cache, in any parallel layout
+(``generator``), and answering a set of prompts across data-parallel replicas (``answers``)."""
 
 from megatron_slmoe.inference.generator import TextGenerator
 from megatron_slmoe.inference.sampling import SamplingConfig

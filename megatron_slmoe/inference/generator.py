@@ -7,7 +7,13 @@ stages. What this module adds is the loop around one forward step:
 
 * prompts of different lengths share a batch the way Megatron's static controller does it: the
   batch is right-padded, the prefill runs up to the shortest prompt, and each decode step feeds
-  the next prompt token to the rows still inside their prompt and the sampled token to the others;
+  the next prompt token to the rows still inside their prompt and the sampled token to the others.
+  So no row ever feeds a pad before its prompt ends, which a recurrent layer needs (Kimi K3's KDA
+  keeps a state per row in the same context, ``model.kda_attention``: a pad in front of a prompt
+  would enter that state, where attention would only have masked it); what a finished row is
+  fed afterwards is never read;
+* a model whose stages hand over more than hidden states (Attention Residuals' stream: the
+  running sum and the bank on the sequence dimension) receives that many slots per position;
 * the last pipeline stage samples (``megatron_slmoe.inference.sampling``) and broadcasts the new
   tokens to the other stages;
 * expert parallelism makes every forward step a collective over the EP group, whose ranks may hold
@@ -46,6 +52,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.utils import get_attr_wrapped_model, unwrap_model
 
 from megatron_slmoe.compat.megatron import llava_padded_length
+from megatron_slmoe.model.attention_residuals import pipeline_seq_length
 from megatron_slmoe.model.tower_language import TowerLanguageModel
 from megatron_slmoe.inference.sampling import SamplingConfig, prompt_generator, sample_next_tokens
 
@@ -64,6 +71,8 @@ class _Row:
     extra_positions: int = 0
     image_grid_thw: Any = None
     last_image_at: int = -1
+    videos: Any = None  # a tower's video patches and their grids (None: no videos)
+    video_grid_thw: Any = None
 
 
 class TextGenerator:
@@ -94,6 +103,9 @@ class TextGenerator:
         self.device = next(self.module.parameters()).device
         self.first_stage = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
         self.last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        # What one stage hands the next per position: a hidden state, or an Attention-Residual
+        # model's stream (the running sum and the bank's slots, stacked on the sequence).
+        self.stream_slots = pipeline_seq_length(self.language, 1)
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -104,7 +116,8 @@ class TextGenerator:
 
         A prompt is a sequence of token ids or, for a multimodal model, an object with ``tokens``
         (image placeholders where images go), ``images`` and ``num_image_tiles`` (LLaVAModel's
-        tiles) or ``image_grid_thw`` (a tower's patches; one placeholder per image token).
+        tiles) or ``image_grid_thw`` (a tower's patches; one placeholder per image token), and
+        for a tower that takes videos ``videos`` with ``video_grid_thw`` too.
         ``max_new_tokens``: one limit for all prompts, or one per prompt. ``prompt_indices``: the
         prompts' global indices, which seed their sampling generators (default 0..n-1)."""
         count = len(prompts)
@@ -138,9 +151,14 @@ class TextGenerator:
             raise ValueError("prompts with images need a multimodal model")
         tokens = list(prompt.tokens)
         if self.tower:
-            at = [i for i, t in enumerate(tokens) if t == self.module.image_token_id]
+            media = {self.module.image_token_id, self.module.video_token_id}
+            at = [i for i, t in enumerate(tokens) if t in media]
+            grids = getattr(prompt, "video_grid_thw", None)
+            has_videos = grids is not None and grids.shape[0] > 0
             return _Row(tokens, prompt.images, last_image_at=at[-1] if at else -1,
-                        image_grid_thw=prompt.image_grid_thw)
+                        image_grid_thw=prompt.image_grid_thw,
+                        videos=prompt.videos if has_videos else None,
+                        video_grid_thw=grids if has_videos else None)
         placeholder = self.module.image_token_index
         at = [i for i, t in enumerate(tokens) if t == placeholder]
         tiles = prompt.num_image_tiles
@@ -199,6 +217,10 @@ class TextGenerator:
             per_image = "image_grid_thw" if self.tower else "num_image_tiles"
             images = (torch.cat([r.images for r in rows]).to(self.device),
                       torch.cat([getattr(r, per_image) for r in rows]).to(self.device))
+            with_videos = [r for r in rows if r.videos is not None]
+            if with_videos:  # a tower's videos beside its images
+                images += (torch.cat([r.videos for r in with_videos]).to(self.device),
+                           torch.cat([r.video_grid_thw for r in with_videos]).to(self.device))
         done_B = stop_at_B <= prompt_len_B  # a limit of 0 new tokens
         generators = [] if sampling.greedy else [prompt_generator(sampling.seed, i) for i in indices]
         context = StaticInferenceContext(batch, total + extra) if self.use_kv_cache else None
@@ -249,7 +271,10 @@ class TextGenerator:
             tokens = torch.tensor([prompt.tokens], dtype=torch.long, device=self.device)
             grid = (None if prompt.image_grid_thw is None
                     else prompt.image_grid_thw.to(self.device))
-            prompt_rope = positions(tokens, grid)[:, 0]  # [3, prompt length]
+            if prompt.video_grid_thw is None:
+                prompt_rope = positions(tokens, grid)[:, 0]  # [3, prompt length]
+            else:
+                prompt_rope = positions(tokens, grid, prompt.video_grid_thw.to(self.device))[:, 0]
             after = torch.arange(total - len(prompt.tokens), device=self.device)
             rope[:, row, :len(prompt.tokens)] = prompt_rope
             rope[:, row, len(prompt.tokens):] = int(prompt_rope.max()) + 1 + after
@@ -269,14 +294,16 @@ class TextGenerator:
             sent = max(length, llava_padded_length(self.module))
         received = None
         if not self.first_stage:
-            received = torch.empty((sent, batch, self.config.hidden_size),
+            received = torch.empty((sent * self.stream_slots, batch, self.config.hidden_size),
                                    dtype=_pipeline_dtype(self.config), device=self.device)
             recv_from_prev_pipeline_rank_(received)
         if images is not None and self.tower:  # image embeddings over the placeholders
             get_attr_wrapped_model(self.model, "set_input_tensor")(received)
+            videos = ({"pixel_values_videos": images[2], "video_grid_thw": images[3]}
+                      if len(images) > 2 else {})
             output = self.module(tokens_BS, positions_BS, None, pixel_values=images[0],
                                  image_grid_thw=images[1], inference_context=context,
-                                 runtime_gather_output=True)
+                                 runtime_gather_output=True, **videos)
         elif images is not None:  # the multimodal model expands the images into the sequence
             get_attr_wrapped_model(self.model, "set_input_tensor")(received)
             output, _ = self.module(images[0], tokens_BS, positions_BS, None,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Mapping, Optional
 
 import torch
@@ -51,6 +52,7 @@ from megatron_slmoe.lora.inject import (
     unwrap_chunks,
 )
 from megatron_slmoe.utils.atomic import atomic_directory
+from megatron_slmoe.utils.errors import InputError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -62,22 +64,43 @@ TENSOR_NAMING = "megatron_slmoe.global.v1"
 """How tensors are named in adapter_model.safetensors (see the module doc)."""
 
 
-class AdapterError(ValueError):
+class AdapterError(InputError, ValueError):
     """An adapter that cannot be read, or does not fit the model (one line)."""
 
 
 # --- adapter_config.json -------------------------------------------------------------------------
 
 
-def adapter_config_json(lora_config: LoRAConfig, base_info: Mapping[str, Any] | None = None) -> str:
-    """The content of adapter_config.json: format version, tensor naming, the LoRA settings and
-    ``base_info`` (identity of the base model: ``base_identity`` and where it was), JSON-able."""
+def module_scales(lora_config: LoRAConfig, tensor_shapes: Mapping[str, Any]) -> dict[str, Any]:
+    """Each adapted module's rank, alpha and scale s = alpha / rank, from the adapter's tensor
+    shapes (B [out, r]: a shared-outer fc1's A holds gate and up, 2r rows); the routed experts of
+    a layer are one entry (``experts.*.linear_fc1``) in either expert layout, their rank being
+    their own (--expert-lora-rank / --moe-rank-scaling)."""
+    scales: dict[str, Any] = {}
+    for name, shape in tensor_shapes.items():
+        if not name.endswith(".lora_B.weight"):
+            continue
+        module = _EXPERT_INDEX.sub(".experts.*.", name[:-len(".lora_B.weight")])
+        module = _SHARED_EXPERT_FACTOR.sub(".experts.*.linear_fc", module)
+        rank = int(tuple(shape)[-1])
+        scales[module] = {"rank": rank, "alpha": float(lora_config.alpha),
+                          "scaling": lora_config.scaling_for(rank)}
+    return dict(sorted(scales.items()))
+
+
+def adapter_config_json(lora_config: LoRAConfig, base_info: Mapping[str, Any] | None = None,
+                        scales: Mapping[str, Any] | None = None) -> str:
+    """The content of adapter_config.json: format version, tensor naming, the LoRA settings,
+    ``base_info`` (identity of the base model: ``base_identity`` and where it was) and the
+    modules' ``scales`` (``module_scales``), JSON-able."""
     document = {
         "format_version": FORMAT_VERSION,
         "tensor_naming": TENSOR_NAMING,
         "lora": lora_config.to_dict(),
         "base_model": dict(base_info or {}),
     }
+    if scales is not None:
+        document["module_scales"] = dict(scales)
     try:
         return json.dumps(document, indent=2, sort_keys=True, allow_nan=False) + "\n"
     except (TypeError, ValueError) as err:
@@ -92,13 +115,21 @@ def lora_config_from_json(text: str) -> LoRAConfig:
     if unknown:
         raise ValueError(f"adapter_config.json: unknown key lora.{unknown[0]} (known: "
                          f"{', '.join(sorted(known))})")
-    missing = sorted(known - set(section))
+    missing = sorted(known - set(section) - _SETTINGS_ADDED_LATER)
     if missing:
         raise ValueError(f"adapter_config.json: lora.{missing[0]} is missing")
     try:
         return LoRAConfig(**section)
     except ValueError as err:
         raise ValueError(f"adapter_config.json: {err}") from None
+
+
+_SETTINGS_ADDED_LATER = {"expert_rank", "moe_rank_scaling", "expert_layout"}
+"""LoRA settings an adapter written before they existed does not record (their defaults hold)."""
+
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+_SHARED_EXPERT_FACTOR = re.compile(r"\.experts\.linear_fc")
+"""A factor the experts of a layer share (shared-outer): ``experts.linear_fc2.lora_B.weight``."""
 
 
 def read_base_info(text: str) -> dict[str, Any]:
@@ -121,7 +152,8 @@ def _parse_document(text: str) -> dict[str, Any]:
     if naming != TENSOR_NAMING:
         raise ValueError(f"adapter_config.json: tensor_naming {naming!r} is not supported "
                          f"(expected {TENSOR_NAMING!r})")
-    unknown = sorted(set(document) - {"format_version", "tensor_naming", "lora", "base_model"})
+    unknown = sorted(set(document) - {"format_version", "tensor_naming", "lora", "base_model",
+                                      "module_scales"})
     if unknown:
         raise ValueError(f"adapter_config.json: unknown key {unknown[0]!r}")
     if not isinstance(document.get("lora"), dict):
@@ -219,7 +251,7 @@ def _assemble(pieces) -> dict[str, torch.Tensor]:
 
 
 def _check_same_config(model_config: LoRAConfig, other: LoRAConfig, what: str) -> None:
-    for field in ("rank", "alpha", "targets"):
+    for field in ("rank", "alpha", "targets", "expert_rank", "moe_rank_scaling", "expert_layout"):
         mine, theirs = getattr(model_config, field), getattr(other, field)
         if field == "targets":
             mine, theirs = sorted(mine), sorted(theirs)
@@ -239,7 +271,6 @@ def save_adapter(model_chunks: ModelChunks, directory: str | os.PathLike, lora_c
     if injected is None:
         raise AdapterError("save_adapter: the model has no LoRA adapters (inject_lora first)")
     _check_same_config(injected, lora_config, "save_adapter's lora_config")
-    config_text = adapter_config_json(lora_config, base_info)
     directory = os.path.abspath(os.fspath(directory))
     tensors = lora_state_dict(model_chunks, dst=0)
     rank, world = _world()
@@ -248,6 +279,9 @@ def save_adapter(model_chunks: ModelChunks, directory: str | os.PathLike, lora_c
         try:
             if not tensors:
                 raise AdapterError("save_adapter: the model has no LoRA tensors")
+            config_text = adapter_config_json(
+                lora_config, base_info,
+                module_scales(lora_config, {k: v.shape for k, v in tensors.items()}))
             _write_adapter(directory, tensors, config_text)
         except (OSError, ValueError, RuntimeError) as err:
             error = f"{type(err).__name__}: {err}"

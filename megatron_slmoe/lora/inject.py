@@ -33,7 +33,14 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.lora.base import is_lora_module
-from megatron_slmoe.lora.targets import TARGETS, LoRATargetError, adapt, kind_of, regions
+from megatron_slmoe.lora.targets import (
+    TARGETS,
+    LoRATargetError,
+    adapt,
+    expert_rank,
+    kind_of,
+    regions,
+)
 
 ModelChunks = Union[torch.nn.Module, Iterable[torch.nn.Module]]
 
@@ -80,11 +87,10 @@ def _candidates(chunks: list[torch.nn.Module]):
     """Every (chunk index, parent, attr, child, local name, module kind) that LoRA could adapt."""
     found = []
     for index, chunk in enumerate(chunks):
-        region_of = regions(chunk)
+        where = regions(chunk)
         for parent_name, parent in chunk.named_modules():
-            region = region_of.get(id(parent), "language")
             for attr, child in parent.named_children():
-                kind = kind_of(parent, attr, child, region)
+                kind = kind_of(parent, attr, child, where)
                 if kind is not None:
                     name = f"{parent_name}.{attr}" if parent_name else attr
                     found.append((index, parent, attr, child, name, kind))
@@ -106,6 +112,33 @@ def _match_counts(candidates, chunks) -> dict[str, int]:
     return counts
 
 
+def _check_expert_ranks(candidates, lora_config: LoRAConfig, chunks=()) -> None:
+    """The routed experts' rank can be had (--moe-rank-scaling against the model's top-k), and a
+    shared-outer expert layout has routed experts to adapt somewhere in the model."""
+    wanted = set(lora_config.targets)
+    adapted = 0
+    for _, _, _, child, _, kind in candidates:
+        if kind.name == "routed_experts" and wanted.intersection(kind.targets):
+            expert_rank(child, lora_config)
+            adapted += 1
+    if lora_config.expert_layout == "shared-outer" and _summed_over_stages(adapted, chunks) == 0:
+        raise LoRATargetError(
+            "--expert-lora-layout shared-outer: no routed experts are adapted (the model has "
+            "none, or neither linear_fc1 nor linear_fc2 is a target); use per-expert")
+
+
+def _summed_over_stages(count: int, chunks) -> int:
+    """``count`` summed over the pipeline stages (every rank of a stage has the same modules)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1):
+        return count
+    device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
+    tensor = torch.tensor([count], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(tensor, group=parallel_state.get_pipeline_model_parallel_group())
+    return int(tensor.item())
+
+
 def _check_targets(lora_config: LoRAConfig, counts: dict[str, int]) -> None:
     targetable = [t for t in TARGETS if counts.get(t, 0) > 0]
     for target in lora_config.targets:
@@ -113,6 +146,16 @@ def _check_targets(lora_config: LoRAConfig, counts: dict[str, int]) -> None:
             raise LoRATargetError(
                 f"lora target {target!r} matches nothing; targetable: "
                 f"{', '.join(targetable) if targetable else '(nothing in this model)'}")
+
+
+def check_targets(model_chunks: ModelChunks, lora_config: LoRAConfig) -> None:
+    """Raise LoRATargetError for a target of ``lora_config`` that matches nothing in these
+    chunks, taken as the whole model (the start-up check, on a model built on the meta
+    device)."""
+    chunks = unwrap_chunks(model_chunks, allow_ddp=False)
+    candidates = _candidates(chunks)
+    _check_targets(lora_config, _match_counts(candidates, chunks))
+    _check_expert_ranks(candidates, lora_config, chunks)
 
 
 def _keep_input_grad(chunk: torch.nn.Module) -> None:
@@ -148,6 +191,7 @@ def inject_lora(model_chunks: ModelChunks, lora_config: LoRAConfig) -> list[str]
                                  "merge_lora or remove them before injecting again")
     candidates = _candidates(chunks)
     _check_targets(lora_config, _match_counts(candidates, chunks))
+    _check_expert_ranks(candidates, lora_config, chunks)  # before any module is changed
     wanted = set(lora_config.targets)
     adapted: list[str] = []
     for index, parent, attr, child, local_name, kind in candidates:

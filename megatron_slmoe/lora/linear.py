@@ -191,8 +191,11 @@ class LoRARowParallelLinear(LoRALinearMixin, RowParallelLinear):
 
 class LoRAReplicatedLinear(LoRALinearMixin, torch.nn.Linear):
     """``torch.nn.Linear`` + LoRA, for a module outside Megatron's tensor parallelism that every
-    rank holds whole (a transformers vision tower or projector): A [r, in] and B [out, r] whole
-    too. Its input is the same on every tensor-parallel rank, so are its gradients."""
+    rank holds whole (a transformers vision tower or projector, KDA's ``f_a_proj``): A [r, in]
+    and B [out, r] whole too. Where its input is the same on every tensor-parallel rank, so are
+    its gradients; where sequence parallelism gives each rank its own tokens (the base weight is
+    marked ``sequence_parallel``), A and B are marked too, so finalize_model_grads sums their
+    gradients over TP as it does the base weight's."""
 
     @classmethod
     def from_base(cls, base: torch.nn.Linear, lora_config: LoRAConfig,
@@ -203,6 +206,8 @@ class LoRAReplicatedLinear(LoRALinearMixin, torch.nn.Linear):
         base._lora_setup(lora_config, name, torch.nn.Linear)
         r = lora_config.rank
         base._lora_make((r, base.in_features), (base.out_features, r))
+        for param in base.lora_parameters():
+            param.sequence_parallel = bool(getattr(base.weight, "sequence_parallel", False))
         base._lora_init_a(lora_config.init_seed)
         return base
 

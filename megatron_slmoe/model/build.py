@@ -14,8 +14,11 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_slmoe.parallel.config import ParallelConfig
+from megatron_slmoe.model.layer_blocks import apply_blocks
 from megatron_slmoe.model.model_file import ModelConfig
+from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
+from megatron_slmoe.parallel.config import ParallelConfig
+from megatron_slmoe.platform import apply_adaptor
 
 
 def run_transformer_config(model_config: ModelConfig, parallel: ParallelConfig, bf16: bool,
@@ -61,13 +64,10 @@ def build_gpt_model(model_config: ModelConfig, transformer_config: TransformerCo
     ``gpt_extra``: further GPTModel arguments (a multimodal model's embedding settings)."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_slmoe.platform import apply_adaptor
-
     apply_adaptor()
 
-    from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
-
     spec = get_slmoe_decoder_block_spec(transformer_config, model_config.slmoe, vp_stage=vp_stage)
+    spec = apply_blocks(spec, model_config.blocks, transformer_config, vp_stage=vp_stage)
     return GPTModel(config=transformer_config, transformer_layer_spec=spec,
                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                     **model_config.gpt_kwargs(), **gpt_extra)

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_slmoe.compat.torch import device_constructors
 from megatron_slmoe.model.build import build_gpt_model
 from megatron_slmoe.model.model_file import ModelConfig
-from megatron_slmoe.compat.torch import device_constructors
+from megatron_slmoe.moe.layer import StableLatentMoELayer
 from megatron_slmoe.platform.single_rank import init_single_rank
 
 _META = torch.device("meta")
@@ -60,38 +61,50 @@ def build_meta_model(model_config: ModelConfig, **overrides: Any):
         return build_gpt_model(model_config, config)
 
 
-# Breakdown categories, matched on the parameter's module path, first match wins.
+# Breakdown categories, matched on the parameter's module path, first match wins. KDA's
+# projections, convolutions, A_log and dt_bias and gated MLA's output gate are attention (KDA's
+# o_norm a norm); the latent norm is latent; the Attention-Residual mixes (each layer's two, the
+# output mix) have their own line.
 _CATEGORIES = (
-    ("routed_experts", ".mlp.experts."),
-    ("shared_experts", ".mlp.shared_experts."),
-    ("router", ".mlp.router."),
-    ("latent", ".mlp.latent_"),
-    ("norms", "norm."),
-    ("attention", ".self_attention."),
-    ("dense_mlp", ".mlp."),
-    ("embedding", "embedding."),
-    ("output_layer", "output_layer."),
+    ("routed_experts", (".mlp.experts.",)),
+    ("shared_experts", (".mlp.shared_experts.",)),
+    ("router", (".mlp.router.",)),
+    ("router_bias", ()),  # buffers: see _BUFFERS
+    ("latent", (".mlp.latent_",)),
+    ("attention_residuals", ("_res.", ".attn_res.")),
+    ("norms", ("norm.",)),
+    ("attention", (".self_attention.",)),
+    ("dense_mlp", (".mlp.",)),
+    ("embedding", ("embedding.",)),
+    ("output_layer", ("output_layer.",)),
 )
+
+_BUFFERS = (("router_bias", ".mlp.router.expert_bias"),)
+"""Buffers a checkpoint holds as weights, counted with the parameters: the router's correction
+bias (Megatron's ``expert_bias`` buffer, the release's ``e_score_correction_bias``)."""
 
 
 def _category(name: str) -> str:
     dotted = "." + name
-    for category, marker in _CATEGORIES:
-        if marker in dotted:
+    for category, markers in _CATEGORIES:
+        if any(marker in dotted for marker in markers):
             return category
     raise ValueError(f"parameter {name!r} fits no category of the parameter census")
 
 
 def parameter_census(model) -> dict[str, Any]:
     """Total and active-per-token parameter counts of a built GPTModel (meta or real), with a
-    breakdown by component. Active per token: everything except, in each MoE layer, the routed
+    breakdown by component; the router's correction bias (a buffer) counts, as a checkpoint
+    holds it. Active per token: everything except, in each MoE layer, the routed
     experts a token is not sent to, (E - k) / E of that layer's routed-expert parameters."""
-    from megatron_slmoe.moe.layer import StableLatentMoELayer
-
     config = model.config
     breakdown = {category: 0 for category, _ in _CATEGORIES}
     for name, param in model.named_parameters():  # shared (tied) parameters appear once
         breakdown[_category(name)] += param.numel()
+    for name, buffer in model.named_buffers():
+        for category, suffix in _BUFFERS:
+            if ("." + name).endswith(suffix):
+                breakdown[category] += buffer.numel()
     total = sum(breakdown.values())
     inactive = 0
     moe_layers = 0

@@ -38,6 +38,13 @@ class ModelSection(Section):
         64, flag="--hf-unmap-mib",
         help="with --hf-checkpoint: MiB of shard file pages a rank keeps mapped while loading (its "
              "peak host memory is its shard, one source tensor and this window)")
+    expert_weights: Literal["auto", "packed", "dequantize"] = setting(
+        "auto", flag="--expert-weights",
+        help="with --hf-checkpoint: 'packed' holds the routed experts as the checkpoint stores "
+             "them (MXFP4, INT4 pack-quantized: about 1/4 of their bf16 bytes; block FP8: about "
+             "1/2), decoded one "
+             "expert tile at a time; 'dequantize' holds them in the run's dtype; auto: packed "
+             "where the checkpoint's experts are packed and frozen")
     adapter_init: Optional[str] = setting(
         None, flag="--adapter-init",
         help="start from this adapter (a directory or an s3:// / msc:// prefix) instead of fresh "
@@ -58,6 +65,12 @@ class ModelSection(Section):
         if self.finetune_mode == "full" and self.adapter_init:
             raise ConfigError("--adapter-init needs --finetune-mode lora")
         self.check_positive("hf_unmap_mib")
+        if self.expert_weights == "packed":
+            self.check(bool(self.hf_checkpoint), "expert_weights",
+                       "packed needs --hf-checkpoint (packed experts are read from its shards)")
+            self.check(self.finetune_mode == "lora", "expert_weights",
+                       "packed holds the experts frozen: --finetune-mode full trains them (use "
+                       "--expert-weights dequantize)")
         if self.hf_checkpoint is not None:
             self.check(bool(self.hf_checkpoint), "hf_checkpoint", "must be a directory")
             self.check(not self.base_checkpoint, "hf_checkpoint",

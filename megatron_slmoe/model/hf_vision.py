@@ -27,10 +27,11 @@ import torch
 
 from megatron_slmoe.model.multimodal import VisionConfig
 from megatron_slmoe.model.vision_mappings import HF_ACTIVATIONS, HF_PREFIXES, VISION_MAPPINGS
+from megatron_slmoe.utils.errors import InputError
 
 
 
-class HFImportError(ValueError):
+class HFImportError(InputError, ValueError):
     """A checkpoint or config that cannot become the vision tower; the message is one line."""
 
 

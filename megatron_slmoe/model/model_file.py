@@ -1,12 +1,14 @@
 """Model configurations: YAML files of Megatron-Core TransformerConfig fields, read and checked.
 
-A model file is a mapping with two sections::
+A model file is a mapping with up to three sections::
 
     model:            # TransformerConfig fields, spelled as Megatron spells them, plus the
       num_layers: 4   # GPTModel arguments in GPT_FIELDS (vocab_size, max_sequence_length, ...)
       ...
     slmoe:            # SLMoEConfig fields (optional section)
       freeze_router: false
+    blocks:           # BlocksConfig fields (optional section): layer blocks that
+      attention_residual_block: 12   # TransformerConfig has no field for
 
 Only model fields belong in a file: run settings (parallel sizes, dtypes, initialisation, the
 fields of Megatron's ModelParallelConfig) are passed as overrides to
@@ -37,8 +39,11 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.config.types import coerce, describe, matches
+from megatron_slmoe.config.yaml_file import describe_yaml_error, load_unique
 from megatron_slmoe.model.validation import flag, make_transformer_config, validate_moe_config
 from megatron_slmoe.moe.config import EXPERT_TENSOR_PARALLEL_SIZE, SLMoEConfig
+from megatron_slmoe.moe.dispatch import DISPATCHERS
+from megatron_slmoe.ops.activations import SiTUGLU
 
 _REQUIRED = object()
 
@@ -66,7 +71,49 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # ``activation_func`` by name in a model file. Non-gated squared-ReLU experts are chosen as in
 # Megatron-Core: ``gated_linear_unit: false`` with ``activation_func: squared_relu``.
-ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "squared_relu": squared_relu, "gelu": F.gelu}
+ACTIVATIONS: dict[str, Any] = {"silu": F.silu, "squared_relu": squared_relu, "gelu": F.gelu,
+                               "situ_glu": SiTUGLU}  # its betas: the blocks section
+
+
+@dataclass(frozen=True)
+class BlocksConfig:
+    """Layer blocks beyond what Megatron-Core's TransformerConfig fields describe (a model
+    file's ``blocks`` section; applied to the decoder spec by ``model.layer_blocks``). Each at
+    its default: Megatron-Core's own block."""
+
+    attention_residual_block: Optional[int] = None
+    """Block Attention Residuals with this block size (``model.attention_residuals``): the
+    residual stream is a running sum and a bank of block vectors, mixed before each sublayer."""
+    kda_layers: tuple[int, ...] = ()
+    """The layers (0-based) whose attention is Kimi Delta Attention (``model.kda_attention``);
+    the others are the TransformerConfig's attention."""
+    kda_num_heads: Optional[int] = None
+    kda_head_dim: Optional[int] = None
+    kda_conv_kernel_size: int = 4
+    kda_gate_lower_bound: float = -5.0
+    gated_nope_mla: bool = False
+    """Multi-latent attention layers without rotation and with a sigmoid output gate
+    (``model.gated_nope_mla``)."""
+    mla_lora_norm_eps: float = 1e-6
+    """The eps of gated NoPE MLA's q/kv LoRA norms."""
+    situ_beta: float = 4.0
+    """SiTU-GLU's betas, where ``activation_func`` is ``situ_glu`` (``ops.activations``)."""
+    situ_linear_beta: float = 25.0
+
+    def __post_init__(self) -> None:
+        block = self.attention_residual_block
+        if block is not None and (not isinstance(block, int) or isinstance(block, bool)
+                                  or block < 1):
+            raise ValueError(f"blocks.attention_residual_block must be an integer >= 1, "
+                             f"got {block!r}")
+        object.__setattr__(self, "kda_layers", tuple(self.kda_layers))
+        if self.kda_layers and not (self.kda_num_heads and self.kda_head_dim):
+            raise ValueError("blocks.kda_layers needs blocks.kda_num_heads and "
+                             "blocks.kda_head_dim")
+        if len(set(self.kda_layers)) != len(self.kda_layers) or any(
+                not isinstance(i, int) or i < 0 for i in self.kda_layers):
+            raise ValueError(f"blocks.kda_layers must be distinct layer indices >= 0, got "
+                             f"{list(self.kda_layers)}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +131,7 @@ class ModelConfig:
     rotary_percent: float = 1.0
     rotary_base: int = 10000
     slmoe: SLMoEConfig = field(default_factory=SLMoEConfig)
+    blocks: BlocksConfig = field(default_factory=BlocksConfig)
 
     def transformer_config(self, **overrides: Any) -> TransformerConfig:
         """The validated TransformerConfig of this model with run settings applied (parallel
@@ -95,7 +143,10 @@ class ModelConfig:
             raise ConfigError(f"{flag(unknown[0])}: {unknown[0]!r} is not a TransformerConfig "
                               f"field")
         fields = {**_DEFAULTS, **copy.deepcopy(dict(self.transformer)), **overrides}
-        if isinstance(fields.get("activation_func"), str):
+        if fields.get("activation_func") == "situ_glu":
+            fields["activation_func"] = SiTUGLU(self.blocks.situ_beta,
+                                                self.blocks.situ_linear_beta)
+        elif isinstance(fields.get("activation_func"), str):
             fields["activation_func"] = ACTIVATIONS[fields["activation_func"]]
         if fields.get("gated_linear_unit") and "activation_func" not in fields:
             fields["activation_func"] = F.silu
@@ -133,6 +184,8 @@ class ModelConfig:
                 "share_embeddings_and_output_weights": self.share_embeddings_and_output_weights,
                 "rotary_percent": float(self.rotary_percent),
                 "rotary_base": float(self.rotary_base)}
+        if self.blocks != BlocksConfig():
+            arch["blocks"] = dataclasses.asdict(self.blocks)
         text = json.dumps(arch, sort_keys=True, default=_plain_value)
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -179,32 +232,11 @@ def _resolve(path_or_name: str | os.PathLike) -> tuple[str, str, str]:
     return stem, text_path, text
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} given twice", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def _parse_yaml(text: str, where: str) -> Any:
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        return load_unique(text)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
+        raise ConfigError(f"{where}: invalid YAML{describe_yaml_error(err)}") from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,22 +294,35 @@ def _model_section(section: Any, where: str) -> tuple[dict[str, Any], dict[str, 
     return transformer, gpt
 
 
+def _dataclass_section(section: Any, cls, key: str, where: str) -> dict[str, Any]:
+    """The fields of section ``key`` (a mapping of ``cls`` fields), each checked by its type."""
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where}: '{key}' must be a mapping of {cls.__name__} fields")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for name, value in section.items():
+        if name not in known:
+            raise ConfigError(f"{where}: unknown key {key}.{name} ({cls.__name__} fields: "
+                              f"{', '.join(sorted(known))})")
+        if not matches(value, hints[name]):
+            raise ConfigError(f"{where}: {key}.{name} must be {describe(hints[name])}, "
+                              f"got {value!r}")
+    return section
+
+
+def _blocks_section(section: Any, where: str) -> BlocksConfig:
+    try:
+        return BlocksConfig(**_dataclass_section(section, BlocksConfig, "blocks", where))
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
 def _slmoe_section(section: Any, where: str) -> SLMoEConfig:
     if section is None:
         return SLMoEConfig()
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where}: 'slmoe' must be a mapping of SLMoEConfig fields")
-    hints = typing.get_type_hints(SLMoEConfig)
-    known = {f.name for f in dataclasses.fields(SLMoEConfig)}
-    for name, value in section.items():
-        if name not in known:
-            raise ConfigError(f"{where}: unknown key slmoe.{name} (SLMoEConfig fields: "
-                              f"{', '.join(sorted(known))})")
-        if not matches(value, hints[name]):
-            raise ConfigError(f"{where}: slmoe.{name} must be {describe(hints[name])}, "
-                              f"got {value!r}")
-    from megatron_slmoe.moe.dispatch import DISPATCHERS
-
+    _dataclass_section(section, SLMoEConfig, "slmoe", where)
     dispatcher = section.get("dispatcher", SLMoEConfig.dispatcher)
     if dispatcher not in DISPATCHERS:
         raise ConfigError(f"{where}: slmoe.dispatcher {dispatcher!r} is not one of "
@@ -294,19 +339,20 @@ def load_model_config(path_or_name: str | os.PathLike) -> ModelConfig:
         raise ConfigError(f"{where}: a model config is a mapping with 'model' and 'slmoe' "
                           f"sections")
     for key in data:
-        if key not in ("model", "slmoe"):
-            raise ConfigError(f"{where}: unknown key {key!r} (the sections are 'model' and "
-                              f"'slmoe')")
+        if key not in ("model", "slmoe", "blocks"):
+            raise ConfigError(f"{where}: unknown key {key!r} (the sections are 'model', "
+                              f"'slmoe' and 'blocks')")
     if "model" not in data:
         raise ConfigError(f"{where}: the 'model' section is missing")
     transformer, gpt = _model_section(data["model"], where)
     slmoe = _slmoe_section(data.get("slmoe"), where)
+    blocks = _blocks_section(data.get("blocks"), where)
     try:
         validate_moe_config(transformer)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
     return ModelConfig(name=name, source=where, transformer=types.MappingProxyType(transformer),
-                       slmoe=slmoe, **gpt)
+                       slmoe=slmoe, blocks=blocks, **gpt)
 
 
 def dump_model_config(model_config: ModelConfig) -> str:
@@ -321,5 +367,9 @@ def dump_model_config(model_config: ModelConfig) -> str:
     slmoe = {f.name: getattr(model_config.slmoe, f.name)
              for f in dataclasses.fields(SLMoEConfig)
              if getattr(model_config.slmoe, f.name) != f.default}
-    data = {"model": model, **({"slmoe": slmoe} if slmoe else {})}
+    blocks = {f.name: list(value) if isinstance(value, tuple) else value
+              for f in dataclasses.fields(BlocksConfig)
+              if (value := getattr(model_config.blocks, f.name)) != f.default}
+    data = {"model": model, **({"slmoe": slmoe} if slmoe else {}),
+            **({"blocks": blocks} if blocks else {})}
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)

@@ -39,6 +39,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_slmoe.model.config import VisionConfig
 from megatron_slmoe.model.model_file import ModelConfig
+from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
+from megatron_slmoe.platform import apply_adaptor
 
 
 
@@ -125,9 +127,6 @@ def build_multimodal_model(model_config: ModelConfig, language_config: Transform
     ``pre_process``: the vision tower lives on the first stage.
     """
     from megatron.core.models.multimodal.llava_model import LLaVAModel
-
-    from megatron_slmoe.moe.specs import get_slmoe_decoder_block_spec
-    from megatron_slmoe.platform import apply_adaptor
 
     apply_adaptor()
     vision.check_tensor_parallel(language_config.tensor_model_parallel_size)

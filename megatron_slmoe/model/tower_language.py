@@ -3,7 +3,7 @@ and projector) and whose language model is our Megatron-Core GPTModel.
 
 Used where Megatron-Core has no faithful build of a checkpoint's tower (``LLaVAModel`` takes
 CLIP, SigLIP, InternViT and RADIO towers; Kimi-K2.5's MoonViT is none of them, see
-``hf.kimi_k25``). The vision module maps ``(pixel_values, image_grid_thw)`` to one language-width
+``families.kimi_k25.vision``). The vision module maps ``(pixel_values, image_grid_thw)`` to one language-width
 embedding per image token ``[N, hidden]`` (and gives ``blank_image(device)``, the smallest input
 it takes, run when a micro-batch has no image but the tower trains); it lives on the first
 pipeline stage, replicated over tensor, expert and data parallelism (a tower of a few hundred
@@ -25,27 +25,33 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_slmoe.utils.errors import InputError
 
-class ImageTokenMismatch(ValueError):
+
+class ImageTokenMismatch(InputError, ValueError):
     """A batch whose image tokens do not match its images' embeddings; the message is one line."""
 
 
 class TowerLanguageModel(MegatronModule):
     """``language_model``: this stage's GPTModel, built with
     ``scatter_embedding_sequence_parallel=False`` (the image embeddings are written in before the
-    scatter). ``vision``: the vision module on the first stage, None elsewhere."""
+    scatter). ``vision``: the vision module on the first stage, None elsewhere; its DeepStack
+    features (``deepstack_layers`` of them) go to the outputs of the first decoder layers."""
 
     def __init__(self, language_model, vision: Optional[torch.nn.Module], image_token_id: int,
-                 positions: Optional[Callable] = None):
+                 positions: Optional[Callable] = None, deepstack_layers: int = 0,
+                 video_token_id: Optional[int] = None):
         super().__init__(config=language_model.config)
         self.language_model = language_model
         self.vision = vision
         self.image_token_id = image_token_id
-        self.positions = positions  # (input_ids, image_grid_thw) -> the rotary positions
+        self.video_token_id = video_token_id  # None: a model without video input
+        # (input_ids, image_grid_thw[, video_grid_thw]) -> the rotary positions
+        self.positions = positions
         # DeepStack (a vision module that returns per-layer features too): added to the outputs
         # of the first decoder layers at the image positions, for one forward at a time.
         self._deepstack: list = []
-        deepstack = getattr(vision, "deepstack_layers", 0)
+        deepstack = deepstack_layers
         if deepstack > len(language_model.decoder.layers):
             raise ValueError(f"the tower's DeepStack features go to the first {deepstack} "
                              f"decoder layers; the first pipeline stage has "
@@ -64,30 +70,33 @@ class TowerLanguageModel(MegatronModule):
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
               pixel_values: Optional[torch.Tensor] = None,
-              image_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
+              image_grid_thw: Optional[torch.Tensor] = None,
+              pixel_values_videos: Optional[torch.Tensor] = None,
+              video_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The first stage's input embeddings ``[S, B, hidden]`` (this rank's part of the
-        sequence under sequence parallelism)."""
+        sequence under sequence parallelism). Videos go through the same vision module as
+        images (their patches and grids), their features written over the video tokens."""
         image = input_ids == self.image_token_id
-        text_ids = input_ids.masked_fill(image, 0)
+        video = (input_ids == self.video_token_id if self.video_token_id is not None
+                 else torch.zeros_like(image))
+        text_ids = input_ids.masked_fill(image | video, 0)
         embeddings = self.language_model.embedding(input_ids=text_ids, position_ids=position_ids)
-        if pixel_values is not None and pixel_values.shape[0] == 0:
-            pixel_values = None  # a micro-batch of text alone
-        if pixel_values is not None:
-            dtype = next(self.vision.parameters()).dtype  # the data pipeline's are float32
-            features = self.vision(pixel_values.to(dtype), image_grid_thw)
-            features, deepstack = features if isinstance(features, tuple) else (features, [])
-            wanted = int(image.sum())
-            if features.shape[0] != wanted:
-                raise ImageTokenMismatch(f"the batch has {wanted} image tokens, its images "
-                                         f"{features.shape[0]} embeddings")
-            embeddings = self._at_image_positions(embeddings, image, features)
-            self._deepstack = [self._at_image_positions(torch.zeros_like(embeddings), image, f)
-                               for f in deepstack]
-        elif image.any():
-            raise ImageTokenMismatch(
-                f"the batch has {int(image.sum())} image tokens (id {self.image_token_id}) and "
-                f"no images: text data must not contain the model's image placeholder")
-        elif self.training and any(p.requires_grad for p in self.vision.parameters()):
+        self._deepstack = []
+        took_media = False
+        for what, token_id, mask, pixels, grids in (
+                ("image", self.image_token_id, image, pixel_values, image_grid_thw),
+                ("video", self.video_token_id, video, pixel_values_videos, video_grid_thw)):
+            if pixels is not None and pixels.shape[0] == 0:
+                pixels = None  # a micro-batch without this medium
+            if pixels is not None:
+                embeddings = self._write_features(embeddings, mask, pixels, grids, what)
+                took_media = True
+            elif mask.any():
+                raise ImageTokenMismatch(
+                    f"the batch has {int(mask.sum())} {what} tokens (id {token_id}) and no "
+                    f"{what}s: text data must not contain the model's {what} placeholder")
+        if not took_media and self.training and any(p.requires_grad
+                                                    for p in self.vision.parameters()):
             # A trained tower stays in the graph (its gradients zero) when no image came:
             # Megatron's DDP waits for a gradient of every trained parameter.
             blank = self.vision(*self.vision.blank_image(embeddings.device))
@@ -99,6 +108,24 @@ class TowerLanguageModel(MegatronModule):
             self._deepstack = [tensor_parallel.scatter_to_sequence_parallel_region(d)
                                for d in self._deepstack]
         return embeddings
+
+    def _write_features(self, embeddings: torch.Tensor, mask: torch.Tensor,
+                        pixels: torch.Tensor, grids: torch.Tensor, what: str) -> torch.Tensor:
+        """``embeddings`` with the vision module's features of ``pixels`` over the positions of
+        ``mask``; their DeepStack features added to this forward's (images and videos take
+        different positions, so the sum is transformers' joint DeepStack input)."""
+        dtype = next(self.vision.parameters()).dtype  # the data pipeline's are float32
+        features = self.vision(pixels.to(dtype), grids)
+        features, deepstack = features if isinstance(features, tuple) else (features, [])
+        wanted = int(mask.sum())
+        if features.shape[0] != wanted:
+            raise ImageTokenMismatch(f"the batch has {wanted} {what} tokens, its {what}s "
+                                     f"{features.shape[0]} embeddings")
+        placed = [self._at_image_positions(torch.zeros_like(embeddings), mask, f)
+                  for f in deepstack]
+        self._deepstack = ([a + b for a, b in zip(self._deepstack, placed)] if self._deepstack
+                           else placed)
+        return self._at_image_positions(embeddings, mask, features)
 
     @staticmethod
     def _at_image_positions(embeddings: torch.Tensor, image: torch.Tensor,
@@ -121,14 +148,19 @@ class TowerLanguageModel(MegatronModule):
                 attention_mask: Optional[torch.Tensor] = None,
                 pixel_values: Optional[torch.Tensor] = None,
                 image_grid_thw: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, **kwargs):
+                labels: Optional[torch.Tensor] = None,
+                pixel_values_videos: Optional[torch.Tensor] = None,
+                video_grid_thw: Optional[torch.Tensor] = None, **kwargs):
         decoder_input = None
         if self.positions is not None and (position_ids is None or position_ids.dim() == 2):
-            position_ids = self.positions(input_ids, image_grid_thw)  # from text positions
+            # from the text positions
+            position_ids = (self.positions(input_ids, image_grid_thw) if video_grid_thw is None
+                            else self.positions(input_ids, image_grid_thw, video_grid_thw))
         self._deepstack = []
         try:
             if self.pre_process:
-                decoder_input = self.embed(input_ids, position_ids, pixel_values, image_grid_thw)
+                decoder_input = self.embed(input_ids, position_ids, pixel_values, image_grid_thw,
+                                           pixel_values_videos, video_grid_thw)
             return self.language_model(input_ids, position_ids, attention_mask,
                                        decoder_input=decoder_input, labels=labels, **kwargs)
         finally:

@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.config.types import is_int, is_number
 from megatron_slmoe.moe.config import check_expert_tensor_parallel
+from megatron_slmoe.ops.activations import is_fused_glu
 
 # Fields whose Megatron flag is not "--" + the field name with dashes (Megatron's own
 # ``argparse_meta`` names are read from the dataclass metadata in ``flag``).
@@ -278,9 +279,29 @@ def make_transformer_config(fields: Mapping[str, Any]) -> TransformerConfig:
     if unknown:
         raise ConfigError(f"{flag(unknown[0])}: {unknown[0]!r} is not a {config_class.__name__} "
                           f"field")
+    fused_glu = is_fused_glu(fields.get("activation_func"))
+    if fused_glu:
+        _check_fused_glu(fields)
     try:
-        return config_class(**fields)
+        config = config_class(**fields)
     except _EXCEPTIONS as err:
         message = " ".join(str(err).split()) or type(err).__name__
         named = _flag_in(message)
         raise ConfigError(f"{named}: {message}" if named else message) from err
+    if fused_glu:
+        # Megatron-Core's MLP hands the whole fc1 output to the config's activation only on its
+        # use_te_activation_func path, which its config check admits for Transformer Engine's
+        # activations alone; set after the check (see ops.activations).
+        config.use_te_activation_func = True
+    return config
+
+
+def _check_fused_glu(fields: Mapping[str, Any]) -> None:
+    name = fields["activation_func"].name
+    if not fields.get("gated_linear_unit"):
+        raise ConfigError(f"{flag('gated_linear_unit')}: activation_func {name} is the "
+                          f"activation of a gated linear unit; set gated_linear_unit")
+    for field in ("bias_activation_fusion", "use_te_activation_func"):
+        if fields.get(field):
+            raise ConfigError(f"{flag(field)}: activation_func {name} has no fused kernel; "
+                              f"leave {field} off")

@@ -7,15 +7,15 @@ here, in one small dataclass that the layer spec carries.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron_slmoe.config.schema import Section, setting
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.config.schema import Section, given_overrides, setting
 
 DISPATCHER_NAMES = ("alltoall", "allgather")
 """The token dispatchers a run can choose (megatron_slmoe.moe.dispatch.DISPATCHERS builds them)."""
-
-from megatron_slmoe.config.errors import ConfigError
 
 EXPERT_TENSOR_PARALLEL_SIZE = 1
 """The Stable Latent MoE layer keeps each expert whole: expert tensor parallelism is 1 (the
@@ -28,6 +28,31 @@ def check_expert_tensor_parallel(size: int) -> None:
         raise ConfigError(f"--expert-tensor-parallel-size {size} is not supported: the Stable "
                           f"Latent MoE layer keeps each expert whole (use "
                           f"{EXPERT_TENSOR_PARALLEL_SIZE})")
+
+
+_SCALE_BYTES = {"uint8": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """Routed-expert weights kept in the checkpoint's quantised format (``--expert-weights
+    packed``): the format as ``ops.quantized_weights`` spells it, the inputs per scale, and the
+    scales' dtype (torch's name: ``uint8`` E8M0 bytes for MXFP4, ``bfloat16`` for Kimi-K2.5's
+    INT4, ``float32`` for block FP8), and the rows per scale (block FP8's block height)."""
+
+    format: str
+    group: int
+    scale_dtype: str
+    held: bool = True
+    """False: the checkpoint stores them so but the run holds them dequantised (``--expert-weights
+    dequantize``); kept so the planner can price the packed alternative."""
+    block_rows: int = 1
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Resident bytes per weight: the value (4 or 8 bits) and its share of a scale."""
+        value = 1.0 if self.format == "block-fp8" else 0.5
+        return value + _SCALE_BYTES[self.scale_dtype] / (self.group * self.block_rows)
 
 
 @dataclass(frozen=True)
@@ -48,6 +73,13 @@ class SLMoEConfig:
     backward. 1 = no overlap."""
     distributed_timeout_minutes: Optional[int] = None
     """Timeout of the process groups the dispatcher creates; default: torch's."""
+    latent_norm: bool = False
+    """RMSNorm (eps ``layernorm_epsilon``, a learned weight) of the combined routed-expert output
+    in the latent width, before the up-projection (Kimi K3's ``routed_expert_norm``). Needs
+    ``moe_latent_size``."""
+    expert_weights: Optional[PackedExperts] = None
+    """The routed experts' frozen weights held packed as the checkpoint stores them (buffers,
+    decoded tile by tile in the expert op); None: dense parameters."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.overlap_chunks, int) or self.overlap_chunks < 1:
@@ -62,21 +94,22 @@ class SLMoEConfig:
 
 @dataclass(frozen=True)
 class MoERunConfig(Section):
-    """Run-time choices of the MoE layer; they override the model config's ``slmoe`` section."""
+    """Run-time choices of the MoE layer. A setting that names the ``SLMoEConfig`` field it
+    ``overrides`` replaces the model config's ``slmoe`` value when given (``over``)."""
 
     section_name = "moe"
 
     token_dispatcher_type: Optional[str] = setting(
-        None, flag="--moe-token-dispatcher-type",
+        None, flag="--moe-token-dispatcher-type", overrides="dispatcher",
         help="alltoall or allgather (default: the model config's)")
     hierarchical_alltoall: bool = setting(
-        False, flag="--moe-hierarchical-alltoall",
+        False, flag="--moe-hierarchical-alltoall", overrides="hierarchical_alltoall",
         help="two-hop all-to-all for multi-node expert parallelism (inter-node, then intra-node)")
     node_size: Optional[int] = setting(
-        None, flag="--moe-node-size",
+        None, flag="--moe-node-size", overrides="node_size",
         help="ranks per node for the hierarchical all-to-all (default: LOCAL_WORLD_SIZE)")
     overlap_chunks: Optional[int] = setting(
-        None, flag="--moe-overlap-chunks",
+        None, flag="--moe-overlap-chunks", overrides="overlap_chunks",
         help="overlap the all-to-all (flat or hierarchical) with expert compute over this many "
              "token chunks, forward and backward (default: the model config's, 1 = no overlap)")
     routed_balance_coeff: float = setting(
@@ -96,6 +129,11 @@ class MoERunConfig(Section):
                                                f"got {self.token_dispatcher_type!r}")
         self.check_positive("node_size", "overlap_chunks")
         self.check_non_negative("routed_balance_coeff", "routing_kl_coeff")
+
+    def over(self, slmoe: SLMoEConfig) -> SLMoEConfig:
+        """The model config's MoE settings with this run's given settings in place of the fields
+        they declare they override."""
+        return dataclasses.replace(slmoe, **given_overrides(self))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Latent projections: hidden width d -> latent width l before dispatch, l -> d after combine.
+"""Latent projections: hidden width d -> latent width l before dispatch, l -> d after combine,
+and the optional RMSNorm of the combined latent output before the up-projection.
 
 The weights are replicated on every tensor-parallel rank (Megatron's "duplicated" linear). With
 sequence parallelism each TP rank projects its own slice of the sequence, so the weights are
@@ -42,3 +43,22 @@ def build_latent_projections(config: TransformerConfig) -> tuple[LatentProjectio
     up = LatentProjection(config, config.moe_latent_size, config.hidden_size,
                           config.output_layer_init_method)
     return down, up
+
+
+class LatentNorm(MegatronModule):
+    """RMSNorm of the combined routed output in the latent width: normalise in fp32, cast back,
+    then multiply by the weight (Kimi K3's ``routed_expert_norm``). Replicated like the
+    projections, its weight marked ``sequence_parallel`` for the same reason."""
+
+    def __init__(self, config: TransformerConfig, width: int) -> None:
+        super().__init__(config=config)
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(width, dtype=config.params_dtype,
+                                                    device=device))
+        self.eps = config.layernorm_epsilon
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)

@@ -7,6 +7,7 @@ Per rank, for hidden states ``[S, B, d]``::
     dispatcher.dispatch               -> rows grouped by local expert
     experts                           -> probs-weighted expert outputs per row
     dispatcher.combine                -> [T, l]
+    latent RMSNorm                    (with slmoe.latent_norm)
     latent up-projection l -> d, + shared expert (full width)
 
 Router, experts and dispatcher are swappable components given by the layer spec
@@ -26,10 +27,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
+from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.moe.config import SLMoEConfig, check_expert_tensor_parallel
 from megatron_slmoe.moe.dispatch import DISPATCHERS
 from megatron_slmoe.moe.experts import LatentSwiGLUExperts
-from megatron_slmoe.moe.latent import build_latent_projections
+from megatron_slmoe.moe.latent import LatentNorm, build_latent_projections
 from megatron_slmoe.moe.router import SLMoERouter
 from megatron_slmoe.moe.stages import LATENT, ROUTER, SHARED, stage
 
@@ -57,10 +59,17 @@ class StableLatentMoELayer(MoELayer):
                                         freeze_expert_bias=slmoe.freeze_expert_bias)
         self.latent_down, self.latent_up = (
             build_latent_projections(config) if config.moe_latent_size else (None, None))
+        if slmoe.latent_norm and not config.moe_latent_size:
+            raise ConfigError("slmoe.latent_norm normalises the latent output: it needs "
+                              "--moe-latent-size")
+        self.latent_norm = (LatentNorm(config, config.moe_latent_size) if slmoe.latent_norm
+                            else None)
         self.dispatcher = DISPATCHERS[slmoe.dispatcher](
             slmoe, config.num_moe_experts, self.local_expert_indices, pg_collection.ep)
+        packed = ({"packed": slmoe.expert_weights}
+                  if slmoe.expert_weights is not None and slmoe.expert_weights.held else {})
         self.experts = build_module(submodules.experts, config, self.num_local_experts,
-                                    self.local_expert_indices[0])
+                                    self.local_expert_indices[0], **packed)
         if self.use_shared_expert:
             self.shared_experts = build_module(submodules.shared_experts, config=config,
                                                gate=config.moe_shared_expert_gate,
@@ -100,6 +109,8 @@ class StableLatentMoELayer(MoELayer):
         output = y_TL.view(*hidden_SBD.shape[:-1], y_TL.shape[-1])
         if self.latent_up is not None:
             with stage(LATENT):
+                if self.latent_norm is not None:
+                    output = self.latent_norm(output)
                 output = self.latent_up(output)
         if self.shared_experts is not None:
             with stage(SHARED):

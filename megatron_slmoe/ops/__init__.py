@@ -13,11 +13,14 @@ from megatron_slmoe.ops.lora_expert import (
     lora_grouped_linear,
     lora_grouped_linear_reference,
 )
+from megatron_slmoe.ops.quantized_weights import PackedWeight, QuantizedWeightError
 
 __all__ = [
     "KERNELS_ENV",
     "LoRAGroupedLinear",
     "LoRAGroupedWeights",
+    "PackedWeight",
+    "QuantizedWeightError",
     "choose_backend",
     "expert_activation",
     "lora_expert_mlp",

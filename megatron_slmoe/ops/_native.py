@@ -25,6 +25,9 @@ _KERNEL_SOURCES = {"cpu": "ATen (csrc/cpu)", "cuda": "CUDA (csrc/cuda)", "npu": 
 # Public op name -> the torch.ops.slmoe ops it needs, all of which must have a kernel.
 NATIVE_OPS = {
     "lora_grouped_linear": ("slmoe::lora_grouped_linear_fwd", "slmoe::lora_grouped_linear_bwd"),
+    # The same over packed (quantised) frozen weights: ops.quantized_weights' formats.
+    "lora_grouped_linear_packed": ("slmoe::lora_grouped_linear_packed_fwd",
+                                   "slmoe::lora_grouped_linear_packed_bwd"),
 }
 
 
@@ -61,7 +64,10 @@ def has_native_kernel(op: str, device_type: str) -> bool:
     key = _DISPATCH_KEY.get(device_type)
     if key is None or _load() is not None:
         return False
-    return all(has_kernel_for_dispatch_key(name, key) for name in NATIVE_OPS[op])
+    try:
+        return all(has_kernel_for_dispatch_key(name, key) for name in NATIVE_OPS[op])
+    except RuntimeError:  # an extension built before the op was declared: no such operator
+        return False
 
 
 def native_kernels() -> dict:

@@ -1,6 +1,7 @@
 """Whether a number of ranks can be laid out as tensor x pipeline x data parallelism with expert
-parallelism dividing the ranks of a pipeline stage: the one place this rule lives (the run's
-checks, the planner's candidates and its checklist, ``slmoe-generate``). Torch-free."""
+parallelism dividing the ranks of a pipeline stage, and whether a global batch splits evenly over
+the data-parallel ranks: the one place these rules live (the run's checks, the planner's
+candidates and its checklist, the data sampler, ``slmoe-generate``). Torch-free."""
 
 from __future__ import annotations
 
@@ -28,3 +29,22 @@ def data_parallel_size(world_size: int, tp: int, pp: int, ep: int) -> int:
     if problem:
         raise ConfigError(problem)
     return world_size // (tp * pp)
+
+
+def batch_split_problem(global_batch_size: int, data_parallel_size: int,
+                        micro_batch_size: Optional[int] = None) -> Optional[str]:
+    """Why a global batch does not split into equal shares of whole micro-batches over the
+    data-parallel ranks (one line naming the flags), or None when it does. Without
+    ``micro_batch_size``: only the equal shares."""
+    micro = 1 if micro_batch_size is None else micro_batch_size
+    if micro < 1:
+        return f"--micro-batch-size must be positive, got {micro_batch_size}"
+    if data_parallel_size < 1:
+        return f"data-parallel size must be positive, got {data_parallel_size}"
+    if global_batch_size % (micro * data_parallel_size) == 0:
+        return None
+    if micro_batch_size is None:
+        return (f"--global-batch-size {global_batch_size} is not divisible by data-parallel size "
+                f"{data_parallel_size}")
+    return (f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size "
+            f"{micro_batch_size} x data-parallel size {data_parallel_size}")

@@ -5,7 +5,9 @@ model is built and returns a ``LayoutCheck``: whether it fits, the per-rank brea
 ``message``, and when it does not fit the nearest layout (same devices) that does.
 ``format_oom_report(check)`` is the text for an out-of-memory error raised during a run: the
 predicted breakdown and the next step of the checklist (recompute, distributed optimizer, more EP,
-TP, PP, a smaller micro-batch), each step priced by the memory model.
+TP, PP, a smaller micro-batch, and last, since they change what is trained, a smaller expert rank
+and the shared-outer expert layout), each step priced by the memory model; the expert adapter's
+levers are named with what each saves per rank whatever the next step is.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Optional, Union
 from megatron_slmoe.parallel.layout import layout_problem
 from megatron_slmoe.plan._sources import ModelConfig
 from megatron_slmoe.plan.devices import DeviceSpec, GiB, generic_device
-from megatron_slmoe.plan.memory import COMPONENTS
+from megatron_slmoe.plan.memory import COMPONENTS, stage_adapter_state_bytes, stage_weight_bytes
 from megatron_slmoe.plan.model_shape import ModelShape
 from megatron_slmoe.plan.planner import LayoutVerdict, PlanOptions, evaluate, layouts
 from megatron_slmoe.plan.settings import RunSettings
@@ -81,6 +83,9 @@ def check_layout(model: Union[ModelConfig, ModelShape], settings: RunSettings,
                               global_batch_size=settings.global_batch_size,
                               dtype=settings.dtype, lora_rank=settings.lora_rank,
                               lora_targets=settings.lora_targets,
+                              expert_lora_rank=settings.expert_lora_rank,
+                              moe_rank_scaling=settings.moe_rank_scaling,
+                              expert_lora_layout=settings.expert_lora_layout,
                               moe_imbalance=settings.moe_imbalance,
                               micro_batch_sizes=tuple(sorted({1, settings.micro_batch_size})),
                               hierarchical_alltoall=settings.hierarchical_alltoall,
@@ -93,9 +98,16 @@ def check_layout(model: Union[ModelConfig, ModelShape], settings: RunSettings,
     return LayoutCheck(verdict, nearest, device, shape)
 
 
-def checklist_steps(settings: RunSettings, shape: ModelShape) -> list[tuple[str, RunSettings]]:
+def checklist_steps(settings: RunSettings, shape: ModelShape,
+                    device: DeviceSpec) -> list[tuple[str, RunSettings]]:
     """The OOM checklist in order, as (advice, changed settings) for the steps that apply."""
     steps = []
+    if shape.packed_expert_bytes is not None and not settings.experts_packed(shape):
+        packed = settings.replace(expert_weights="packed")
+        saved = (stage_weight_bytes(shape, settings, device)
+                 - stage_weight_bytes(shape, packed, device)) / GiB
+        steps.append((f"hold the experts packed: --expert-weights packed saves {saved:.3g} "
+                      f"GiB/rank", packed))
     if settings.recompute == "none":
         steps.append(("recompute the core attention (--recompute-granularity selective "
                       "--recompute-modules core_attn)",
@@ -126,6 +138,35 @@ def checklist_steps(settings: RunSettings, shape: ModelShape) -> list[tuple[str,
         smaller = settings.micro_batch_size // 2
         steps.append((f"a smaller micro-batch (--micro-batch-size {smaller})",
                       settings.replace(micro_batch_size=smaller)))
+    return steps + expert_adapter_steps(settings, shape)
+
+
+def expert_adapter_steps(settings: RunSettings,
+                         shape: ModelShape) -> list[tuple[str, RunSettings]]:
+    """Smaller routed-expert adapters, each with the adapter state it saves per rank: the
+    experts' rank (--moe-rank-scaling's rank // top-k where that is smaller, else 2) and the
+    shared-outer layout."""
+    if not shape.experts or not {"linear_fc1", "linear_fc2"} & set(settings.lora_targets):
+        return []
+    candidates = []
+    rank, scaled = settings.expert_rank(shape), settings.lora_rank // shape.topk
+    if settings.lora_rank % shape.topk == 0 and 1 <= scaled < rank:
+        candidates.append((f"--moe-rank-scaling (experts at rank {scaled})",
+                           settings.replace(expert_lora_rank=0, moe_rank_scaling=True)))
+    elif rank > 2:
+        candidates.append(("--expert-lora-rank 2",
+                           settings.replace(expert_lora_rank=2, moe_rank_scaling=False)))
+    if settings.expert_lora_layout == "per-expert":
+        candidates.append(("--expert-lora-layout shared-outer (serve it with SGLang, or export "
+                           "--export-hf-layout shared-outer-expanded)",
+                           settings.replace(expert_lora_layout="shared-outer")))
+    steps = []
+    for flags, changed in candidates:
+        saved = stage_adapter_state_bytes(shape, settings) - stage_adapter_state_bytes(shape,
+                                                                                      changed)
+        if saved > 0:
+            steps.append((f"smaller expert adapters: {flags} saves {saved / GiB:.3g} GiB/rank",
+                          changed))
     return steps
 
 
@@ -144,7 +185,7 @@ def next_checklist_step(check: LayoutCheck) -> Optional[tuple[str, LayoutVerdict
     if one does), with its verdict; None when no step helps."""
     current = check.verdict.peak_bytes
     candidates = []
-    for advice, changed in checklist_steps(check.verdict.settings, check.shape):
+    for advice, changed in checklist_steps(check.verdict.settings, check.shape, check.device):
         if changed.layout_error(check.shape):
             continue
         verdict = evaluate(check.shape, changed, check.device)
@@ -167,6 +208,10 @@ def format_oom_report(check: LayoutCheck, error: Optional[BaseException] = None)
         for name in COMPONENTS:
             lines.append(f"  {name:<20}{peak.component(name) / GiB:>10.2f} GiB")
         lines.append(f"  {'total':<20}{peak.peak / GiB:>10.2f} GiB")
+    levers = [advice.partition(": ")[2] for advice, _ in
+              expert_adapter_steps(v.settings, check.shape)] if v.memory is not None else []
+    if levers:
+        lines.append("expert adapter levers: " + "; ".join(levers))
     step = next_checklist_step(check)
     if step is None:
         lines.append("next step: none of the checklist's steps lowers the predicted peak on "

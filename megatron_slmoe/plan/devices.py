@@ -44,6 +44,9 @@ class DeviceSpec:
     """Bytes held outside the counted tensors (context, communicator buffers, workspaces)."""
     fragmentation: float = 0.0
     """Allocator margin: this share of the peak on top (reserved beyond allocated)."""
+    kind: str = "cuda"
+    """Whose kernels the run uses: cuda, npu or cpu (they hold different scratch, see
+    ``plan.memory.packed_scratch_bytes``)."""
 
     def with_overrides(self, **changes) -> "DeviceSpec":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -62,7 +65,7 @@ DEVICES: dict[str, DeviceSpec] = {
                        framework_overhead=3 * GiB, fragmentation=0.10),
     "910b": DeviceSpec("Huawei Ascend 910B 64GB", memory_bytes=64 * GiB, bf16_tflops=313.0,
                        intra_node_gbps=196.0, inter_node_gbps=25.0,
-                       framework_overhead=3 * GiB, fragmentation=0.10),
+                       framework_overhead=3 * GiB, fragmentation=0.10, kind="npu"),
 }
 """Presets for ``--device``."""
 

@@ -7,8 +7,11 @@ pipeline stage (the peak rank is the largest) with
   torch norms are built without the params dtype and our trainer adds no Float16Module). Attention,
   dense and shared-expert MLPs and the vocabulary are split over TP, routed experts over EP,
   router and latent projections are replicated; the embedding lives on the first stage, the output
-  layer on the last;
-* ``lora_params``: the adapters, in the dtype of the weight they adapt;
+  layer on the last; routed experts held packed (``--expert-weights packed``) count their packed
+  bytes (``ModelShape.packed_expert_bytes``) plus the decode scratch the device's kernel holds
+  (``packed_scratch_bytes``: on CUDA a chunk of experts up to 256 MiB);
+* ``lora_params``: the adapters, in the dtype of the weight they adapt (the routed experts' at
+  their own rank and layout, ``plan.adapter_state``);
 * ``grad_buffers``: Megatron DDP's contiguous gradient buffers, fp32 (``grad_reduce_in_fp32``) for
   the trainable parameters only (with the distributed optimizer the parameters move into DDP's
   parameter buffer, which replaces their storage and costs nothing extra);
@@ -27,6 +30,13 @@ weights, adapters on them, what they keep for backward and their forward working
 (``megatron_slmoe.plan.vision``; LLaVAModel's, or a Hugging Face checkpoint's own tower, which
 is there in a text run too).
 
+Kimi K3's blocks (a model file's ``blocks``): a Kimi Delta Attention layer keeps its projections,
+convolution inputs and outputs, the decay and beta, the chunked core's per-chunk states and
+matrices and its gated norm's inputs (``_kda_attention``); gated NoPE MLA keeps MLA's compressed
+q and kv, q/k/v, the probabilities and the output gate (``_mla_attention``); with Attention
+Residuals every layer keeps its input stream (the running sum and the bank so far, up to
+``shape.stream_slots`` hidden states) and each mix its candidates in fp32 (``_attention_residuals``).
+
 What is saved for backward follows Megatron-Core's local (non-TransformerEngine) layers that
 ``megatron_slmoe.moe.specs`` builds, with frozen base weights, LoRA on the targets, unfused
 attention (it keeps the softmax probabilities, S^2 per head), sequence parallelism with TP. Each
@@ -39,7 +49,12 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, field
 
-from megatron_slmoe.plan._sources import expected_rows_per_destination
+from megatron_slmoe.plan._sources import (
+    PACKED_SCRATCH_BYTES,
+    cpu_threads,
+    expected_rows_per_destination,
+)
+from megatron_slmoe.plan.adapter_state import ExpertDims, expert_adapter_count
 from megatron_slmoe.plan.devices import DeviceSpec
 from megatron_slmoe.plan.model_shape import (
     ModelShape,
@@ -131,11 +146,13 @@ def _stage_layers(shape: ModelShape, settings: RunSettings, stage: int) -> range
 
 
 @functools.lru_cache(maxsize=4096)
-def _dense_layer_weights(shape: ModelShape, settings: RunSettings, moe: bool) -> tuple[int, int]:
-    """(16-bit-or-run-dtype parameters, fp32 norm parameters) of one layer on one rank."""
-    counts = layer_parameters(shape, moe)
+def _dense_layer_weights(shape: ModelShape, settings: RunSettings, moe: bool,
+                         kda: bool = False) -> tuple[int, int]:
+    """(16-bit-or-run-dtype parameters, fp32 norm parameters) of one layer on one rank; the
+    Attention-Residual mixes are replicated, the router's bias is a buffer (``_static``)."""
+    counts = layer_parameters(shape, moe, kda)
     tp, ep = settings.tp, settings.ep
-    run_dtype = counts["attention"] // tp
+    run_dtype = counts["attention"] // tp + counts.get("attention_residuals", 0)
     if moe:
         run_dtype += (counts["router"] + counts["latent"] + counts["routed_experts"] // ep
                       + counts["shared_experts"] // tp)
@@ -144,28 +161,40 @@ def _dense_layer_weights(shape: ModelShape, settings: RunSettings, moe: bool) ->
     return run_dtype, counts["norms"]
 
 
-def _attention_inputs(shape: ModelShape) -> list[tuple[int, int]]:
+def _attention_inputs(shape: ModelShape, kda: bool = False) -> list[tuple[int, int]]:
     """(in, out) of each attention input projection (column-parallel): the fused q/k/v, or
-    multi-latent attention's q (or q down + up) and kv down + up."""
+    multi-latent attention's q (or q down + up) and kv down + up (and gated NoPE MLA's output
+    gate), or KDA's q, k, v, g, b and f_b (its f_a: ``_kda_replicated_input``)."""
+    if kda:
+        d, p, k = shape.hidden, shape.kda.width, shape.kda.head_dim
+        return [(d, p)] * 4 + [(d, shape.kda.heads), (k, p)]
     if shape.mla is None:
         return [(shape.hidden, (shape.heads + 2 * shape.query_groups) * shape.kv_channels)]
     m, d, h = shape.mla, shape.hidden, shape.heads
     q_out = h * m.q_head_dim
     q = [(d, q_out)] if m.q_lora_rank is None else [(d, m.q_lora_rank), (m.q_lora_rank, q_out)]
+    gate = [(d, shape.attention_width)] if shape.gated_mla else []
     return q + [(d, m.kv_lora_rank + m.qk_pos_emb_head_dim),
-                (m.kv_lora_rank, h * (m.qk_head_dim + m.v_head_dim))]
+                (m.kv_lora_rank, h * (m.qk_head_dim + m.v_head_dim))] + gate
 
 
 @functools.lru_cache(maxsize=4096)
-def lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> tuple[int, int]:
-    """(dense LoRA parameters, expert LoRA parameters) of one layer on one rank."""
+def lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool,
+                      kda: bool = False) -> tuple[int, int]:
+    """(dense LoRA parameters, expert LoRA parameters) of one layer on one rank. The routed
+    experts' adapter is ``plan.adapter_state``'s at their own rank and layout: this rank's 1/ep
+    of the experts' own factors; shared-outer factors, replicated over expert parallelism and
+    reduced like a dense parameter, count as dense."""
     r, tp, d = settings.lora_rank, settings.tp, shape.hidden
     targets = set(settings.lora_targets)
     dense = 0
     if "linear_qkv" in targets:  # per projection: A [r, in] replicated, B [out/tp, r]
-        dense += sum(r * n_in + n_out // tp * r for n_in, n_out in _attention_inputs(shape))
+        dense += sum(r * n_in + n_out // tp * r for n_in, n_out in _attention_inputs(shape, kda))
+        if kda:  # f_a (d -> K) is whole on every rank: A [r, d], B [K, r]
+            dense += r * d + shape.kda.head_dim * r
     if "linear_proj" in targets:  # A [r, hc/tp], B [d, r]
-        dense += r * shape.attention_width // tp + d * r
+        width = shape.kda.width if kda else shape.attention_width
+        dense += r * width // tp + d * r
     fc1_out = 2 if shape.gated else 1
     if not moe:
         if "linear_fc1" in targets:
@@ -179,13 +208,13 @@ def lora_layer_params(shape: ModelShape, settings: RunSettings, moe: bool) -> tu
         dense += 2 * (r * d + shape.latent * r)
     if "shared_experts" in targets and shape.shared_ffn:
         dense += r * d + fc1_out * shape.shared_ffn // tp * r + r * shape.shared_ffn // tp + d * r
-    width, f = shape.expert_width, shape.expert_ffn
-    per_expert = 0
-    if "linear_fc1" in targets:  # A [r, l], B [2f (gated) or f, r]
-        per_expert += r * width + fc1_out * f * r
-    if "linear_fc2" in targets:  # A [r, f], B [l, r]
-        per_expert += r * f + width * r
-    return dense, per_expert * (shape.experts // settings.ep)
+    fc1, fc2 = "linear_fc1" in targets, "linear_fc2" in targets
+    if not (fc1 or fc2):
+        return dense, 0
+    count = expert_adapter_count(
+        ExpertDims(1, shape.experts, shape.expert_width, shape.expert_ffn, shape.gated),
+        settings.expert_rank(shape), settings.expert_lora_layout, fc1=fc1, fc2=fc2)
+    return dense + count.shared_per_layer, count.per_expert * (shape.experts // settings.ep)
 
 
 def _static(shape: ModelShape, settings: RunSettings, stage: int) -> dict:
@@ -193,10 +222,10 @@ def _static(shape: ModelShape, settings: RunSettings, stage: int) -> dict:
     layers = _stage_layers(shape, settings, stage)
     run_dtype = norms = lora_dense = lora_expert = buffers = 0
     for index in layers:
-        moe = shape.moe_layers[index]
-        w, n = _dense_layer_weights(shape, settings, moe)
+        moe, kda = shape.moe_layers[index], shape.is_kda(index)
+        w, n = _dense_layer_weights(shape, settings, moe, kda)
         run_dtype, norms = run_dtype + w, norms + n
-        ld, le = lora_layer_params(shape, settings, moe)
+        ld, le = lora_layer_params(shape, settings, moe, kda)
         lora_dense, lora_expert = lora_dense + ld, lora_expert + le
         if moe:
             buffers += 2 * shape.experts * _FP32  # expert bias and its token count (router)
@@ -213,6 +242,8 @@ def _static(shape: ModelShape, settings: RunSettings, stage: int) -> dict:
                                              settings.lora_rank, settings.tp)
     if last:
         norms += shape.hidden * shape.norm_params
+        if shape.attention_residual_block:
+            run_dtype += 2 * shape.hidden  # the output mix
         # A tied output weight is a second copy on the last stage when it is not the first.
         out = output_parameters(shape) or (shape.vocab * shape.hidden if not first else 0)
         run_dtype += out // settings.tp
@@ -232,16 +263,73 @@ def _static(shape: ModelShape, settings: RunSettings, stage: int) -> dict:
         optimizer = sharded(per_param * lora_dense, per_param * lora_expert)
     else:
         optimizer = per_param * trainable
-    weights = run_dtype * b
+    expert_weights = _expert_weight_elements(shape, settings, layers)
+    expert_bytes = expert_weights * b
+    if settings.experts_packed(shape) and expert_weights:
+        # Packed values and scales (the decoded scratch is the device's: _stage_scratch).
+        expert_bytes = int(expert_weights * shape.packed_expert_bytes)
+    weights = (run_dtype - expert_weights) * b + expert_bytes
     if zero == 3:  # the frozen base too: each rank keeps its share (experts' over expert dp)
-        expert_weights = _expert_weight_elements(shape, settings, layers)
-        weights = sharded((run_dtype - expert_weights) * b, expert_weights * b)
+        weights = sharded((run_dtype - expert_weights) * b, expert_bytes)
     return {
         "weights_by_dtype": _by_dtype((settings.dtype, weights),
                                       ("fp32", norms * _FP32 + buffers)),
         "lora_params": lora_bytes, "grad_buffers": grad_buffers, "optimizer": optimizer,
         "trainable_params": trainable,
     }
+
+
+def stage_adapter_state_bytes(shape: ModelShape, settings: RunSettings) -> int:
+    """The LoRA weights, gradients and optimizer state of the rank with the most of them (over
+    pipeline stages)."""
+    return max(sum(_static(shape, settings, stage)[name]
+                   for name in ("lora_params", "grad_buffers", "optimizer"))
+               for stage in range(settings.pp))
+
+
+def stage_weight_bytes(shape: ModelShape, settings: RunSettings, device: DeviceSpec) -> int:
+    """The frozen base weights of the rank with the most of them (over pipeline stages), packed
+    experts' decode scratch included."""
+    return max(sum(_static(shape, settings, stage)["weights_by_dtype"].values())
+               + _stage_scratch(shape, settings, stage, device) for stage in range(settings.pp))
+
+
+def _stage_scratch(shape: ModelShape, settings: RunSettings, stage: int,
+                   device: DeviceSpec) -> int:
+    """The packed experts' decode scratch of ``stage``'s ranks: 0 without packed experts there."""
+    layers = _stage_layers(shape, settings, stage)
+    if not (settings.experts_packed(shape) and _expert_weight_elements(shape, settings, layers)):
+        return 0
+    return packed_scratch_bytes(shape, settings, device)
+
+
+def packed_scratch_bytes(shape: ModelShape, settings: RunSettings, device: DeviceSpec) -> int:
+    """The largest decoded scratch one call of the packed expert op holds (one projection, fc1 or
+    fc2, of this rank's experts; freed with the call, the backward's as large), in the run's dtype,
+    as the device's kernel holds it:
+
+    * cuda: the experts of one chunk, as many as fit in ``PACKED_SCRATCH_BYTES`` (at least one, at
+      most the rank's experts; csrc/packed_scratch.h), allocated whole whatever the routing;
+    * cpu: one tile per intra-op thread that runs an expert (csrc/cpu/lora_expert_packed.cpp), so
+      at most min(threads, experts);
+    * npu: one tile, the pure-torch twin's (``ops.lora_expert.packed_grouped_fwd``: there is no
+      AscendC packed kernel, so an NPU run decodes expert by expert). Not priced: the twin's
+      decode also holds its int/fp32 intermediates and the previous tile, 7-11 bf16 tiles at its
+      peak by format (measured with ``plan.live_bytes``)."""
+    experts = shape.experts // settings.ep
+    fc1_out = shape.expert_ffn * (2 if shape.gated else 1)
+    tiles = [out * inp * settings.element_size for out, inp in (
+        (fc1_out, shape.expert_width), (shape.expert_width, shape.expert_ffn))]
+    if device.kind == "cuda":
+        return max(_cuda_chunk(experts, tile) * tile for tile in tiles)
+    if device.kind == "cpu":
+        return min(cpu_threads(), experts) * max(tiles)
+    return max(tiles)
+
+
+def _cuda_chunk(experts: int, tile: int) -> int:
+    """Experts the CUDA packed kernel decodes at once (``slmoe::packed_scratch_experts``)."""
+    return max(1, min(experts, PACKED_SCRATCH_BYTES // max(1, tile)))
 
 
 def _expert_weight_elements(shape: ModelShape, settings: RunSettings, layers) -> int:
@@ -257,10 +345,8 @@ def zero3_gather_bytes(shape: ModelShape, settings: RunSettings) -> int:
         return 0
     b = settings.element_size
     largest = 0
-    for moe in (False, True):
-        if moe not in shape.moe_layers:
-            continue
-        w, _ = _dense_layer_weights(shape, settings, moe)
+    for moe, kda in set(shape.layer_kinds):
+        w, _ = _dense_layer_weights(shape, settings, moe, kda)
         experts = shape.experts // settings.ep * expert_parameters(shape) if moe else 0
         # Only what is sharded is gathered: dense weights over dp, expert ones over expert dp.
         gathered = ((w - experts) if settings.dp > 1 else 0) + (
@@ -345,6 +431,92 @@ def _attention(shape: ModelShape, s: RunSettings, t: _Tokens, input_needs_grad: 
     return total + _norm(shape, t.sharded)  # pre-MLP norm
 
 
+def _mla_attention(shape: ModelShape, s: RunSettings, t: _Tokens, input_needs_grad: bool) -> int:
+    """Gated NoPE MLA (no rotation): the q and kv LoRA norms' fp32 inputs, q and k (nope + rope
+    dims, k_pe broadcast to every head) and v, the probabilities as ``_attention``'s, the context
+    and the output gate's sigmoid (both kept for their product); LoRA's inputs (the layer input,
+    the normed q and kv latents) and r per adapted projection."""
+    b, r, tp, m = s.element_size, s.lora_rank, s.tp, shape.mla
+    heads = shape.heads // tp
+    total = _norm(shape, t.sharded) if input_needs_grad else 0
+    q_rank = m.q_lora_rank or 0
+    total += (q_rank + m.kv_lora_rank) * _FP32 * t.full  # the LoRA norms' fp32 inputs
+    if "linear_qkv" in s.lora_targets:
+        total += (shape.hidden + q_rank + m.kv_lora_rank) * b * t.full
+        total += r * len(_attention_inputs(shape)) * b * t.full
+    qkv = heads * (2 * m.q_head_dim + m.v_head_dim)
+    if s.recompute == "full" or s.recomputes("core_attn"):
+        total += qkv * b * t.full
+    else:
+        probs = _FP32 + (b if b < _FP32 else 0)
+        total += qkv * b * t.full + heads * t.seq * t.full * probs + t.seq * t.seq
+    total += 2 * heads * m.v_head_dim * b * t.full  # context and the gate's sigmoid
+    if "linear_proj" in s.lora_targets:
+        total += heads * m.v_head_dim * b * t.full + r * b * t.sharded
+    return total + _norm(shape, t.sharded)  # pre-MLP norm
+
+
+def kda_chunk_states(shape: ModelShape, s: RunSettings) -> int:
+    """Bytes of one KDA layer's per-chunk states on one rank for one micro-batch: the state
+    [H/tp, K, K] fp32 entering each chunk of 64 tokens (the chunked core keeps them for
+    backward; the fused kernel recomputes them there, a transient of the same size)."""
+    k = shape.kda
+    chunks = -(-s.seq_length // KDA_CHUNK)
+    return chunks * s.micro_batch_size * k.heads // s.tp * k.head_dim * k.head_dim * _FP32
+
+
+KDA_CHUNK = 64
+"""Tokens per chunk of KDA's chunked core (ops.kda.CHUNK_SIZE, fla's chunk_kda)."""
+
+
+def kda_generation_state(shape: ModelShape, dtype_bytes: int = 2) -> int:
+    """Bytes one sequence's KDA layers hold while generating (whole model, no parallelism): per
+    layer the recurrent state [H, K, K] fp32 and the causal convolutions' last ``kernel - 1``
+    inputs of q, k and v (fp32: model.kda_attention keeps its conv state in fp32)."""
+    if shape.kda is None:
+        return 0
+    k = shape.kda
+    per_layer = k.heads * k.head_dim * k.head_dim * _FP32 + 3 * k.width * (k.conv_kernel - 1) * _FP32
+    return sum(shape.kda_layers) * per_layer
+
+
+def _kda_attention(shape: ModelShape, s: RunSettings, t: _Tokens, input_needs_grad: bool) -> int:
+    """Kimi Delta Attention (heads over TP, so every per-head tensor is T x P/tp): q, k, v's
+    projection outputs (the convolutions' inputs), the convolutions' outputs (SiLU's inputs),
+    the L2-normalised q, k and v the core reads; fp32 decay g (P) and beta (H); the core's
+    output (fp32) with its norm's rsqrt, the output gate's sigmoid; per chunk its [C, C] score
+    matrices (two, fp32, per head) and the state entering it (``kda_chunk_states``); LoRA's
+    input (and f_a's output, f_b's input) and r per adapted projection."""
+    b, r, tp, k = s.element_size, s.lora_rank, s.tp, shape.kda
+    p, heads = k.width // tp, k.heads // tp
+    total = _norm(shape, t.sharded) if input_needs_grad else 0
+    if "linear_qkv" in s.lora_targets:
+        total += (shape.hidden + k.head_dim + 7 * r) * b * t.full
+    total += 9 * p * b * t.full  # projections, conv outputs, normalised q, k, v
+    total += (p + heads) * _FP32 * t.full  # decay and beta
+    total += (p + heads) * _FP32 * t.full + p * b * t.full  # core output, rsqrt, gate
+    total += 2 * KDA_CHUNK * heads * _FP32 * t.full + kda_chunk_states(shape, s)
+    if "linear_proj" in s.lora_targets:
+        total += p * b * t.full + r * b * t.sharded
+    return total + _norm(shape, t.sharded)  # pre-MLP norm
+
+
+def _attention_residuals(shape: ModelShape, s: RunSettings, t: _Tokens, layer: int) -> int:
+    """Attention Residuals at layer ``layer``: autograd keeps the layer's input stream (the
+    running sum and the bank vectors entering it, ``1 + ceil(layer / block)`` hidden states, as
+    model.attention_residuals says) and each mix its stacked candidates in fp32 (the attention
+    mix over the bank and the sum when there is a bank; the MLP mix over the bank, with the
+    block's new vector, and the sum)."""
+    block = shape.attention_residual_block
+    if not block:
+        return 0
+    bank = -(-layer // block)
+    after = bank + (1 if layer % block == 0 else 0)
+    candidates = (bank + 1 if bank else 0) + after + 1
+    d = shape.hidden
+    return ((1 + bank) * d * s.element_size + candidates * (d + 1) * _FP32) * t.sharded
+
+
 def _dense_mlp(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
     b = s.element_size
     if s.recomputes("mlp"):
@@ -356,9 +528,9 @@ def _dense_mlp(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
 def _mlp_saved(ffn: int, lora_fc1: bool, lora_fc2: bool, shape: ModelShape, s: RunSettings,
                t: _Tokens) -> int:
     """A Megatron MLP with frozen weights: SwiGLU keeps fc1's output (2F), glu's x_linear + 0 (F)
-    and silu's output (F); LoRA adds its input and r per token for fc1 and fc2."""
+    and silu's output (F), SiTU-GLU its input alone (2F); LoRA adds its input and r per token for fc1 and fc2."""
     b, r = s.element_size, s.lora_rank
-    total = (4 * ffn if shape.gated else ffn) * b * t.full
+    total = (shape.glu_saved * ffn if shape.gated else ffn) * b * t.full
     if lora_fc1:
         total += (shape.hidden + r) * b * t.full
     if lora_fc2:
@@ -396,8 +568,8 @@ def _moe_rows(shape: ModelShape, s: RunSettings, t: _Tokens) -> int:
     activation the plain fc2 keeps."""
     if s.recomputes("moe"):
         return 0
-    b, r, f, width = s.element_size, s.lora_rank, shape.expert_ffn, shape.expert_width
-    per_row = width + 4 * f + 1
+    b, r, f, width = s.element_size, s.expert_rank(shape), shape.expert_ffn, shape.expert_width
+    per_row = width + shape.glu_saved * f + 1
     per_row += r if "linear_fc1" in s.lora_targets else 0
     per_row += r if "linear_fc2" in s.lora_targets else f
     return int(per_row * b * t.rows_received)
@@ -420,25 +592,38 @@ class _LayerActivations:
     activations and gradients, less what its own finished parts have freed."""
 
 
+def _attention_block(shape: ModelShape, s: RunSettings, t: _Tokens, input_needs_grad: bool,
+                     kda: bool) -> int:
+    if kda:
+        return _kda_attention(shape, s, t, input_needs_grad)
+    if shape.gated_mla:
+        return _mla_attention(shape, s, t, input_needs_grad)
+    return _attention(shape, s, t, input_needs_grad)
+
+
 @functools.lru_cache(maxsize=4096)
 def _layer(shape: ModelShape, s: RunSettings, t: _Tokens, moe: bool,
-           input_needs_grad: bool) -> _LayerActivations:
+           input_needs_grad: bool, kda: bool = False, index: int = 0) -> _LayerActivations:
     b = s.element_size
     plain = s.replace(recompute="none")
-    attention = _attention(shape, s, t, input_needs_grad)
+    attention = (_attention_block(shape, s, t, input_needs_grad, kda)
+                 + _attention_residuals(shape, s, t, index))
     mlp = _moe_dense_side(shape, s, t) if moe else _dense_mlp(shape, s, t)
     rows = _moe_rows(shape, s, t) if moe else 0
-    if s.recompute == "full":
-        attention, mlp, rows = shape.hidden * b * t.sharded, 0, 0  # only the layer input
+    if s.recompute == "full":  # only the layer input (the whole stream with AttnRes)
+        slots = 1 + -(-index // shape.attention_residual_block) if (
+            shape.attention_residual_block) else 1
+        attention, mlp, rows = slots * shape.hidden * b * t.sharded, 0, 0
     # What each half brings back when recomputed (the full layer: both halves at once).
-    attention_again = (_attention(shape, plain, t, input_needs_grad)
+    attention_again = (_attention_block(shape, plain, t, input_needs_grad, kda)
                        if s.recompute == "full" or s.recomputes("core_attn") else 0)
     mlp_again = 0
     if s.recompute == "full" or (moe and s.recomputes("moe")) or (not moe and s.recomputes("mlp")):
         mlp_again = (_moe_dense_side(shape, plain, t) + _moe_rows(shape, plain, t) if moe
                      else _dense_mlp(shape, plain, t))
     if s.recompute == "full":
-        attention_again = _attention(shape, plain, t, input_needs_grad)
+        attention_again = (_attention_block(shape, plain, t, input_needs_grad, kda)
+                           + _attention_residuals(shape, plain, t, index))
         mlp_again += attention_again  # checkpointed as one layer
     # Backward of the MLP half first: gradients of the expert internals (fc1's output and the
     # activation) and the exchanged gradient rows both ways.
@@ -450,6 +635,9 @@ def _layer(shape: ModelShape, s: RunSettings, t: _Tokens, moe: bool,
     # half's own activations are freed.
     heads = shape.heads // s.tp
     attention_work = heads * t.seq * t.full * 2 * _FP32
+    if kda:  # no S^2 scores: the chunk matrices' and the chunk states' gradients
+        attention_work = (2 * KDA_CHUNK * shape.kda.heads // s.tp * _FP32 * t.full
+                          + kda_chunk_states(shape, s))
     freed = 0 if s.recompute == "full" else mlp + rows
     extra = max(mlp_again + mlp_work, attention_again + attention_work - freed)
     return _LayerActivations(attention + mlp, rows, max(0, extra))
@@ -459,7 +647,8 @@ def _stage_activations(shape: ModelShape, s: RunSettings, stage: int) -> dict:
     t = _tokens(shape, s)
     layers = [
         _layer(shape, s, t, shape.moe_layers[i],
-               input_needs_grad=not (i == 0 and s.recompute == "none"))
+               input_needs_grad=not (i == 0 and s.recompute == "none"), kda=shape.is_kda(i),
+               index=i if shape.attention_residual_block else 0)
         for i in _stage_layers(shape, s, stage)
     ]
     last = stage == s.pp - 1
@@ -499,6 +688,9 @@ def estimate_memory(shape: ModelShape, settings: RunSettings, device: DeviceSpec
     stages = []
     for stage in range(settings.pp):
         static = _static(shape, settings, stage)
+        scratch = _stage_scratch(shape, settings, stage, device)
+        static["weights_by_dtype"] = _by_dtype(*static["weights_by_dtype"].items(),
+                                               (settings.dtype, scratch))
         acts = _stage_activations(shape, settings, stage)
         gather = zero3_gather_bytes(shape, settings)
         if gather > acts["transient"]:  # the step's largest transient
@@ -517,7 +709,8 @@ def estimate_memory(shape: ModelShape, settings: RunSettings, device: DeviceSpec
 
 
 def weights_bytes_total(shape: ModelShape, dtype: str = "bf16") -> int:
-    """Bytes of the whole model's base weights in ``dtype`` (norms in fp32, as built)."""
+    """Bytes of the whole model's base weights in ``dtype`` (norms and the routers' bias in
+    fp32, as built)."""
     counts = census(shape)["breakdown"]
-    norms = counts["norms"]
-    return (sum(counts.values()) - norms) * DTYPES[dtype] + norms * _FP32
+    fp32 = counts["norms"] + counts["router_bias"]
+    return (sum(counts.values()) - fp32) * DTYPES[dtype] + fp32 * _FP32

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Union
 
-from megatron_slmoe.parallel.layout import layout_problem
+from megatron_slmoe.parallel.layout import batch_split_problem, layout_problem
 from megatron_slmoe.plan.devices import DeviceSpec, GiB
 from megatron_slmoe.plan.memory import (
     MemoryEstimate,
@@ -20,7 +20,7 @@ from megatron_slmoe.plan.memory import (
     weights_bytes_total,
 )
 from megatron_slmoe.plan.model_shape import ModelShape
-from megatron_slmoe.plan.settings import DEFAULT_LORA_TARGETS, RunSettings
+from megatron_slmoe.plan.settings import RunSettings
 from megatron_slmoe.plan.step_time import StepTime, estimate_step_time
 from megatron_slmoe.plan.vision import ReplicatedTower, VisionShape
 
@@ -35,15 +35,19 @@ RECOMPUTE_CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """What stays fixed while the planner varies the layout."""
+    """What stays fixed while the planner varies the layout (defaults: ``RunSettings``')."""
 
-    seq_length: int = 4096
-    global_batch_size: int = 512
-    dtype: str = "bf16"
-    lora_rank: int = 8
-    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
-    moe_imbalance: float = 1.25
+    seq_length: int = RunSettings.seq_length
+    global_batch_size: int = RunSettings.global_batch_size
+    dtype: str = RunSettings.dtype
+    lora_rank: int = RunSettings.lora_rank
+    lora_targets: tuple[str, ...] = RunSettings.lora_targets
+    moe_imbalance: float = RunSettings.moe_imbalance
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    expert_lora_rank: int = 0
+    moe_rank_scaling: bool = False
+    expert_lora_layout: str = "per-expert"
+    """The routed experts' LoRA (``RunSettings``' fields of the same names)."""
     hierarchical_alltoall: Optional[bool] = None
     """None: hierarchical whenever the expert-parallel group spans nodes."""
     vision: Optional[Union[VisionShape, ReplicatedTower]] = None
@@ -53,7 +57,10 @@ class PlanOptions:
         return RunSettings(seq_length=self.seq_length, global_batch_size=self.global_batch_size,
                            dtype=self.dtype, lora_rank=self.lora_rank,
                            lora_targets=self.lora_targets, moe_imbalance=self.moe_imbalance,
-                           vision=self.vision, **layout)
+                           expert_lora_rank=self.expert_lora_rank,
+                           moe_rank_scaling=self.moe_rank_scaling,
+                           expert_lora_layout=self.expert_lora_layout, vision=self.vision,
+                           **layout)
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,7 @@ def layouts(shape: ModelShape, device: DeviceSpec, num_devices: int, options: Pl
                 for distopt in ((False, True) if dp > 1 else (False,)):
                     for recompute, modules in recompute_choices:
                         for mbs in micro_batch_sizes or options.micro_batch_sizes:
-                            if options.global_batch_size % (mbs * dp):
+                            if batch_split_problem(options.global_batch_size, dp, mbs):
                                 continue
                             candidates.append(options.settings(
                                 tp=tp, pp=pp, ep=ep, dp=dp, distributed_optimizer=distopt,
@@ -215,6 +222,30 @@ def _fastest_fit(shape, device, num_devices, options, lean: bool) -> Optional[La
     return best
 
 
+def _prime_factors(n: int) -> set[int]:
+    found, p = set(), 2
+    while p * p <= n:
+        while n % p == 0:
+            found.add(p)
+            n //= p
+        p += 1
+    return found | ({n} if n > 1 else set())
+
+
+def _growing_sizes(shape: ModelShape, start: int, node: int, limit: int) -> list[int]:
+    """The cluster sizes to try, ascending from ``start``: doublings, and between them the node
+    multiples of the odd primes of the layer and expert counts (the pipeline sizes divide the
+    layers and the expert-parallel sizes the experts: Kimi K3's 93 layers take PP 3 or 31 and its
+    896 experts EP 7 x 2^k, none of which a power-of-two cluster holds)."""
+    primes = _prime_factors(shape.num_layers) | _prime_factors(shape.experts or 1)
+    steps = [node] + [node * p for p in sorted(primes - {2})]
+    sizes = set()
+    for k in range(limit.bit_length()):
+        for step in steps:  # the first multiple of the step at or above the doubling
+            sizes.add(-(-(start << k) // step) * step)
+    return sorted(size for size in sizes if start <= size <= limit)
+
+
 def smallest_cluster(shape: ModelShape, device: DeviceSpec, num_devices: int,
                      options: PlanOptions, limit: int = 1 << 20
                      ) -> tuple[Optional[int], Optional[LayoutVerdict]]:
@@ -224,13 +255,13 @@ def smallest_cluster(shape: ModelShape, device: DeviceSpec, num_devices: int,
     node = device.devices_per_node
     if not layouts(shape, device, num_devices, options):
         num_devices = 0
-    low, high = num_devices, max(node, -(-num_devices // node) * node)
+    low = num_devices
     found = None
-    while high <= limit:
+    for high in _growing_sizes(shape, max(node, -(-num_devices // node) * node), node, limit):
         found = _fastest_fit(shape, device, high, options, lean=True)
         if found:
             break
-        low, high = high, high * 2
+        low = high
     if not found:
         return None, None
     # Search the node multiples between the last failure and the first fit.

@@ -1,24 +1,25 @@
 """The run settings the planner prices: one parallel layout plus what changes memory and time.
 
 ``RunSettings`` mirrors the fine-tuning job's flags (named in each field's docstring) so that the
-training entry point can describe its own run (``RunSettings.from_run_config``) and the planner can
-enumerate others. ``validate()`` checks the values; ``layout_error(shape)`` checks that the layout
-divides the model the way Megatron-Core requires. Both name the flag in one line.
+training entry point can describe its own run (``training.inputs.run_settings``) and the planner can
+enumerate others. Its defaults are the planner's, stated here once (``PlanOptions`` and
+``slmoe-plan`` take them). ``validate()`` checks the values; ``layout_error(shape)`` checks that
+the layout divides the model the way Megatron-Core requires. Both name the flag in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
-from megatron_slmoe.lora.config import DEFAULT_LORA_TARGETS
+from megatron_slmoe.lora.config import DEFAULT_LORA_TARGETS, LoRAConfig
+from megatron_slmoe.parallel.layout import batch_split_problem
 from megatron_slmoe.plan._sources import LORA_TARGETS
+from megatron_slmoe.plan.adapter_state import EXPERT_LAYOUTS
 from megatron_slmoe.plan.model_shape import ModelShape
 from megatron_slmoe.plan.vision import ReplicatedTower, VisionShape
-
-if TYPE_CHECKING:  # the planner reads a run's settings; it sits below the training package
-    from megatron_slmoe.training.config import RunConfig
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")
@@ -52,15 +53,22 @@ class RunSettings:
     micro_batch_size: int = 1
     """--micro-batch-size."""
     seq_length: int = 4096
-    """--seq-length."""
-    global_batch_size: int = 256
-    """--global-batch-size (a multiple of micro-batch size x dp)."""
+    """--seq-length (the planner's default: a flagship run's, not the fine-tune's demo 128)."""
+    global_batch_size: int = 512
+    """--global-batch-size (a multiple of micro-batch size x dp; the planner's default, not the
+    fine-tune's demo 16)."""
     dtype: str = "bf16"
     """bf16 (--bf16), fp16 or fp32 (--fp32): the dtype of weights and activations."""
-    lora_rank: int = 8
+    lora_rank: int = LoRAConfig.rank
     """--lora-rank."""
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     """--lora-target-modules."""
+    expert_lora_rank: int = 0
+    """--expert-lora-rank (0: --lora-rank, or --lora-rank // top-k with ``moe_rank_scaling``)."""
+    moe_rank_scaling: bool = False
+    """--moe-rank-scaling."""
+    expert_lora_layout: str = "per-expert"
+    """--expert-lora-layout: per-expert or shared-outer (``plan.adapter_state`` counts both)."""
     moe_imbalance: float = 1.25
     """Tokens received by the busiest expert-parallel rank over the mean (the routing monitor's
     per-rank load); capped by the model's capacity factor when it has one."""
@@ -71,6 +79,22 @@ class RunSettings:
     vision: Optional[Union[VisionShape, ReplicatedTower]] = None
     """The vision tower and projector on the first stage: LLaVAModel's (--task image-text), or a
     Hugging Face checkpoint's own (any task); None: none."""
+    expert_weights: Optional[str] = None
+    """--expert-weights packed or dequantize, for a checkpoint whose experts are packed
+    (``ModelShape.packed_expert_bytes``); None: as the model holds them."""
+
+    def expert_rank(self, shape: ModelShape) -> int:
+        """The routed experts' LoRA rank (the run's rule: ``LoRAConfig.expert_rank_for``); a
+        rank scaling that gives no whole rank is one ValueError line."""
+        return _expert_rank(self.lora_rank, self.expert_lora_rank, self.moe_rank_scaling,
+                            shape.topk)
+
+    def experts_packed(self, shape: ModelShape) -> bool:
+        """Whether the routed experts are priced at their packed bytes."""
+        if shape.packed_expert_bytes is None:
+            return False
+        return shape.experts_packed if self.expert_weights is None else (
+            self.expert_weights == "packed")
 
     @property
     def world_size(self) -> int:
@@ -119,6 +143,15 @@ class RunSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        if not isinstance(self.expert_lora_rank, int) or self.expert_lora_rank < 0:
+            raise ValueError(f"--expert-lora-rank must be an integer >= 0, got "
+                             f"{self.expert_lora_rank!r}")
+        if self.expert_lora_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"--expert-lora-layout must be one of {', '.join(EXPERT_LAYOUTS)}, "
+                             f"got {self.expert_lora_layout!r}")
+        if self.expert_weights not in (None, "packed", "dequantize"):
+            raise ValueError(f"--expert-weights must be packed or dequantize, got "
+                             f"{self.expert_weights!r}")
         if self.recompute not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"--recompute-granularity must be one of "
                              f"{', '.join(RECOMPUTE_GRANULARITIES)}, got {self.recompute!r}")
@@ -137,10 +170,9 @@ class RunSettings:
         if not self.moe_imbalance >= 1.0:
             raise ValueError(f"--moe-imbalance must be >= 1 (max over mean), "
                              f"got {self.moe_imbalance!r}")
-        if self.global_batch_size % (self.micro_batch_size * self.dp):
-            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
-                             f"--micro-batch-size {self.micro_batch_size} x data-parallel size "
-                             f"{self.dp}")
+        problem = batch_split_problem(self.global_batch_size, self.dp, self.micro_batch_size)
+        if problem:
+            raise ValueError(problem)
 
     def layout_error(self, shape: ModelShape) -> Optional[str]:
         """Why Megatron-Core cannot split ``shape`` this way (one line naming the flag), or None."""
@@ -150,7 +182,8 @@ class RunSettings:
         for what, count in (("attention heads", shape.heads),
                             ("query groups", shape.query_groups),
                             ("FFN width", shape.ffn_hidden), ("vocabulary", shape.vocab),
-                            ("shared-expert FFN width", shape.shared_ffn or self.tp)):
+                            ("shared-expert FFN width", shape.shared_ffn or self.tp),
+                            ("KDA heads", shape.kda.heads if shape.kda else self.tp)):
             if count % self.tp:
                 return f"--tensor-model-parallel-size {self.tp} does not divide the {count} {what}"
         if isinstance(self.vision, VisionShape):  # a replicated tower is not split
@@ -160,6 +193,11 @@ class RunSettings:
                 if count % self.tp:
                     return (f"--tensor-model-parallel-size {self.tp} does not divide the "
                             f"{count} {what}")
+        if shape.experts:
+            try:
+                self.expert_rank(shape)
+            except ValueError as err:
+                return str(err)
         if shape.experts and shape.experts % self.ep:
             return (f"--expert-model-parallel-size {self.ep} does not divide the "
                     f"{shape.experts} experts")
@@ -182,25 +220,8 @@ class RunSettings:
                  self.recompute_label, f"mbs{self.micro_batch_size}"]
         return " ".join(parts)
 
-    @classmethod
-    def from_run_config(cls, run: RunConfig, world_size: int, dtype: str,
-                        devices_per_node: Optional[int] = None,
-                        hf_tower: Optional[ReplicatedTower] = None) -> "RunSettings":
-        """The settings of a fine-tuning run; ``hf_tower``: the --hf-checkpoint's own vision
-        module, when it has one."""
-        parallel = run.parallel
-        tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-        granularity = parallel.recompute_granularity or "none"
-        modules = tuple(parallel.recompute_modules or ("core_attn",))
-        return cls(
-            tp=tp, pp=pp, ep=parallel.expert_model_parallel_size, dp=world_size // (tp * pp),
-            distributed_optimizer=parallel.use_distributed_optimizer, recompute=granularity,
-            recompute_modules=modules if granularity == "selective" else ("core_attn",),
-            micro_batch_size=run.schedule.micro_batch_size, seq_length=run.data.seq_length,
-            global_batch_size=run.schedule.global_batch_size, dtype=dtype,
-            lora_rank=run.lora.rank, lora_targets=tuple(run.lora.targets),
-            hierarchical_alltoall=run.moe.hierarchical_alltoall,
-            devices_per_node=devices_per_node or world_size,
-            vision=hf_tower if run.model.hf_checkpoint else (
-                VisionShape.from_config(run.vision, run.image_text)
-                if run.data.task == "image-text" else None))
+
+@functools.lru_cache(maxsize=256)
+def _expert_rank(rank: int, expert_rank: int, moe_rank_scaling: bool, top_k: int) -> int:
+    return LoRAConfig(rank=rank, expert_rank=expert_rank,
+                      moe_rank_scaling=moe_rank_scaling).expert_rank_for(top_k)

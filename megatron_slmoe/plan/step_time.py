@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from megatron_slmoe.plan.devices import DeviceSpec
+from megatron_slmoe.plan.flops import core_attention_flops
 from megatron_slmoe.plan.memory import lora_layer_params
 from megatron_slmoe.plan.model_shape import (
     ModelShape,
@@ -43,14 +44,13 @@ class StepTime:
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_flops(shape: ModelShape, s: RunSettings, moe: bool) -> float:
+def _layer_flops(shape: ModelShape, s: RunSettings, moe: bool, kda: bool = False) -> float:
     """Forward FLOPs of one layer on one rank for one micro-batch."""
     tokens = s.seq_length * s.micro_batch_size
-    counts = layer_parameters(shape, moe)
+    counts = layer_parameters(shape, moe, kda)
     dense = counts["attention"] + counts.get("dense_mlp", 0) + counts.get("shared_experts", 0)
     flops = 2 * dense / s.tp * tokens
-    # Causal attention: QK^T and PV, half the square.
-    flops += 2 * 2 * shape.attention_width / s.tp * s.seq_length * tokens / 2
+    flops += core_attention_flops(shape, kda, s.seq_length) / s.tp * tokens
     if moe:
         sharded = tokens / s.tp
         flops += 2 * (counts["router"] + counts["latent"]) * sharded
@@ -68,8 +68,8 @@ def estimate_step_time(shape: ModelShape, s: RunSettings, device: DeviceSpec) ->
     a2a_stage = tp_stage = 0.0
     for stage in range(s.pp):
         layers = range(stage * per_stage, (stage + 1) * per_stage)
-        forward = sum(_layer_flops(shape, s, shape.moe_layers[i]) for i in layers)
-        lora = sum(sum(lora_layer_params(shape, s, shape.moe_layers[i])) for i in layers)
+        forward = sum(_layer_flops(shape, s, *shape.layer_kinds[i]) for i in layers)
+        lora = sum(sum(lora_layer_params(shape, s, *shape.layer_kinds[i])) for i in layers)
         if stage == s.pp - 1:
             forward += 2 * shape.vocab * shape.hidden / s.tp * tokens
         recompute = 0.0
@@ -99,7 +99,7 @@ def estimate_step_time(shape: ModelShape, s: RunSettings, device: DeviceSpec) ->
     pipeline = slot * (m + s.pp - 1)
     bubble = slot * (s.pp - 1)
     # LoRA gradients: ring all-reduce (or reduce-scatter + all-gather) of fp32 buffers.
-    trainable = sum(sum(lora_layer_params(shape, s, moe)) for moe in shape.moe_layers) / s.pp
+    trainable = sum(sum(lora_layer_params(shape, s, *kinds)) for kinds in shape.layer_kinds) / s.pp
     dp_link = device.inter_node_gbps if s.world_size > s.devices_per_node else device.intra_node_gbps
     dp_time = (2 * trainable * 4 * (s.dp - 1) / s.dp) / (dp_link * 1e9) if s.dp > 1 else 0.0
     step = pipeline + dp_time

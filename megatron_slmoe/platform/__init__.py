@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_slmoe.platform.adaptors import adaptor_for
+
 PLATFORM_ENV = "SLMOE_PLATFORM"
 BACKEND_ENV = "SLMOE_DIST_BACKEND"
 
@@ -142,14 +144,10 @@ def current() -> Platform:
 def apply_adaptor() -> Platform:
     """Detect the platform and make Megatron-Core run on it. Idempotent."""
     platform = current()
-    from megatron_slmoe.platform.adaptors import adaptor_for
-
     adaptor_for(platform.name).apply()
     return platform
 
 
 def applied_patches() -> list[dict[str, str]]:
-    from megatron_slmoe.platform.adaptors import adaptor_for
-
     registry = adaptor_for(current().name)
     return registry.describe() if registry.applied else []

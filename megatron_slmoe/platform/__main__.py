@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from megatron_slmoe.ops import native_kernels
 from megatron_slmoe.platform import PlatformError, applied_patches, apply_adaptor
 
 
@@ -19,8 +20,6 @@ def main() -> int:
     except PlatformError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from megatron_slmoe.ops import native_kernels
-
     report = {
         "platform": platform.name,
         "backend": platform.backend,

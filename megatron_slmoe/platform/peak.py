@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from megatron_slmoe.utils.atomic import write_json_atomic
+
 DATASHEET_TFLOPS = {  # dense bf16 (fp32: a quarter); substring of the device name -> TFLOP/s
     "H200": 989.0, "H100": 989.0, "A100": 312.0, "910B": 313.0,
 }
@@ -74,8 +76,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
         return float(cached[key])
     measured = measure_cpu_gemm_flops(dtype)
     try:
-        from megatron_slmoe.utils.atomic import write_json_atomic
-
         write_json_atomic(path, {**(cached if isinstance(cached, dict) else {}), key: measured})
     except OSError:
         pass  # measured again next time

@@ -3,31 +3,25 @@ build a whole model in one process need (parameter census, merge, conversion) an
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from megatron_slmoe.platform import apply_adaptor
 
 
 def init_single_rank(seed: int = 1234, timeout: timedelta = timedelta(minutes=10)) -> None:
-    """A one-rank process group (on a free port of 127.0.0.1, not MASTER_ADDR/MASTER_PORT, which
-    may belong to a parent job) and Megatron's parallel state without model parallelism, unless
-    they exist already; then they must be a single process without model parallelism."""
+    """A one-rank process group (its store in this process: not MASTER_ADDR/MASTER_PORT, which
+    may belong to a parent job, nor a tcp:// address, which under torchrun joins the agent's
+    store and waits there) and Megatron's parallel state without model parallelism, unless they
+    exist already; then they must be a single process without model parallelism."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_slmoe.platform import apply_adaptor
-
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            apply_adaptor().backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-            rank=0, world_size=1, timeout=timeout)
+            apply_adaptor().backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+            timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
         model_parallel_cuda_manual_seed(seed)

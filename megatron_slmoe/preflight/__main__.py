@@ -7,6 +7,10 @@ import os
 import sys
 from typing import Optional
 
+from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.preflight import PreflightError, PreflightOptions, run
+from megatron_slmoe.preflight.report import format_table
+from megatron_slmoe.training.cli import parse_command_line
 from megatron_slmoe.utils.atomic import write_json_atomic
 
 
@@ -40,9 +44,6 @@ def _training_config(argv: list[str]):
     """The job's run configuration, read by the job's own parser (``--config`` YAML included) but
     without its layout checks against the world size: the preflight needs only the parallel layout
     and the output directory, and may run on its own on any number of ranks."""
-    from megatron_slmoe.training.cli import parse_command_line
-    from megatron_slmoe.config.errors import ConfigError
-
     try:
         return parse_command_line(argv, prog="megatron_slmoe.preflight (training flags)",
                                   description="", world_size=0).run
@@ -64,9 +65,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     train = _training_config(rest)
-    from megatron_slmoe.preflight import PreflightError, PreflightOptions, run
-    from megatron_slmoe.preflight.report import format_table
-
     report_path = args.report or os.path.join(
         train.output.output_dir or os.path.join("runs", "logs"), "preflight.json")
     options = PreflightOptions(

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_slmoe.moe.config import EXPERT_TENSOR_PARALLEL_SIZE
 from megatron_slmoe.parallel import topology
+from megatron_slmoe.platform import apply_adaptor
 from megatron_slmoe.preflight import sweep
 from megatron_slmoe.preflight.sweep import MIB
 
@@ -345,8 +346,6 @@ def run(options: PreflightOptions, platform=None) -> Optional[dict]:
     """Run every check on this rank; rank 0 returns the report (others None). Raises
     PreflightError with one line on a failed check ("" when another rank reports it)."""
     if platform is None:
-        from megatron_slmoe.platform import apply_adaptor
-
         platform = apply_adaptor()
     started = time.perf_counter()
     pf = _Preflight(options, platform)

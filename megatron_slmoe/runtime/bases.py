@@ -18,7 +18,19 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.data.checks import check_same_tokenizer
+from megatron_slmoe.data.tokenizer import BASE_TOKENIZER, tokenizer_source
+from megatron_slmoe.lora.adapter import (
+    AdapterError,
+    base_identity,
+    check_base_identity,
+    read_adapter_config,
+)
+from megatron_slmoe.model.config import ModelSection
 from megatron_slmoe.model.model_file import ModelConfig, load_model_config
+from megatron_slmoe.runtime.model import open_model
+from megatron_slmoe.storage.urls import is_object_url
+from megatron_slmoe.utils.manifest import verify
 
 BASE_MODEL_NAME = "model_config.txt"
 """The name of the packaged model config a base checkpoint was built from."""
@@ -60,6 +72,47 @@ def check_base_model(path: str, model_config: ModelConfig, flag: str) -> None:
                           f"{model_config.name!r} ({model_config.source})")
 
 
+def check_base_checkpoint(path: Optional[str], model_config: ModelConfig, tokenizer) -> None:
+    """A run's ``--base-checkpoint``: present and complete (the manifest's sizes, else the dist
+    checkpoint's own files), made from this model config, trained with this tokenizer. A stored
+    one is not inspected before the run (that would mean downloading it first)."""
+    if not path or is_object_url(path):
+        return
+    flag = f"--base-checkpoint {path}"
+    if not os.path.isdir(path):
+        raise ConfigError(f"{flag} is not a directory")
+    names = os.listdir(path)
+    if not names:
+        raise ConfigError(f"{flag} is an empty directory")
+    if "MANIFEST.json" in names:
+        problem = verify(path, checksums=False)
+        if problem:
+            raise ConfigError(f"{flag} is damaged: {problem} (an incomplete copy?)")
+    else:  # written by another tool: at least Megatron's own files, none of them empty
+        for required in ("metadata.json", ".metadata"):
+            if required not in names:
+                raise ConfigError(f"{flag} has no {required}: not a Megatron dist checkpoint, or "
+                                  f"its save did not finish")
+        for name in sorted(names):
+            if name.endswith(".distcp") and os.path.getsize(os.path.join(path, name)) == 0:
+                raise ConfigError(f"{flag}: {name} is empty (an incomplete copy?)")
+    check_base_model(path, model_config, flag)
+    recorded = os.path.join(path, BASE_TOKENIZER)
+    if os.path.isfile(recorded):
+        check_same_tokenizer(tokenizer, recorded, f"the tokenizer {flag} was trained with "
+                                                  f"({recorded})")
+
+
+def check_base_given(model: ModelSection) -> None:
+    """LoRA adapts a trained model: on random weights it trains adapters for nothing."""
+    if model.finetune_mode == "lora" and not (model.base_checkpoint or model.hf_checkpoint):
+        raise ConfigError(
+            "LoRA needs a trained base model: name one with --base-checkpoint DIR (a Megatron "
+            "dist checkpoint, e.g. from --finetune-mode full --save-base DIR) or --hf-checkpoint "
+            "DIR, run `bash scripts/pretrain_lora.sh` with no flags for the demo (it pretrains a "
+            "tiny base first), or train every weight from scratch with --finetune-mode full")
+
+
 @dataclass(frozen=True)
 class Base:
     """The base model a command runs: its model config, its opened HF checkpoint (None for a
@@ -78,10 +131,6 @@ def open_base(*, base_checkpoint: Optional[str] = None, hf_checkpoint: Optional[
     and ``hf_checkpoint``. The model config is ``model_config`` (which must agree with what the
     base records), else the base's record, else the adapter's; the tokenizer ``tokenizer``, else
     the base's (``data.tokenizer.tokenizer_source``). Needs no process group; ConfigError lines."""
-    from megatron_slmoe.data.tokenizer import tokenizer_source
-    from megatron_slmoe.model.config import ModelSection
-    from megatron_slmoe.runtime.model import open_model
-
     if bool(base_checkpoint) == bool(hf_checkpoint):
         raise ConfigError("name the base model with one of --base-checkpoint DIR and "
                           "--hf-checkpoint DIR")
@@ -96,8 +145,6 @@ def open_base(*, base_checkpoint: Optional[str] = None, hf_checkpoint: Optional[
         raise ConfigError(f"{flag}: no such directory")
     chosen = model_config or recorded_model_config(base_checkpoint)
     if chosen is None and adapter:
-        from megatron_slmoe.lora.adapter import AdapterError, read_adapter_config
-
         try:
             chosen = read_adapter_config(adapter)[1].get("model_config")
         except AdapterError as err:
@@ -115,13 +162,6 @@ def open_base(*, base_checkpoint: Optional[str] = None, hf_checkpoint: Optional[
 def check_adapter(adapter: str, model_config: ModelConfig, tokenizer) -> None:
     """Refuse, before anything loads, an adapter trained on another model or with another
     tokenizer than these (ConfigError naming both)."""
-    from megatron_slmoe.lora.adapter import (
-        AdapterError,
-        base_identity,
-        check_base_identity,
-        read_adapter_config,
-    )
-
     try:
         _, recorded = read_adapter_config(adapter)
         check_base_identity(recorded, base_identity(model_config, tokenizer),

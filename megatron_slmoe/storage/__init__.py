@@ -19,7 +19,9 @@ Modules (one job each):
     stored_folder  ``StoredFolder``: a prefix as a folder, its bulk fetched as it is read
     transfer   directories to/from the store (manifest last), ``OutputMirror`` for a run's outputs
     preflight  the start-up check: every URL readable or writable, before any process group
-               forms (``training/inputs.py`` runs it)
+               forms (``storage.checks`` runs it)
+    checks     the start-up checks of a run's places: local inputs exist, outputs writable,
+               every URL usable (once per node)
     session    ``Storage``: the above for one process, taking local paths and URLs alike
 """
 

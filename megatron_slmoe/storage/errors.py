@@ -13,6 +13,7 @@ Every message goes through :func:`~megatron_slmoe.utils.redact.redact` when the 
 
 from __future__ import annotations
 
+from megatron_slmoe.utils.errors import InputError
 from megatron_slmoe.utils.redact import redact
 
 
@@ -24,7 +25,7 @@ class StorageError(Exception):
         self.code = code  # the store's error code where it gave one (e.g. "InvalidAccessKeyId")
 
 
-class StorageConfigError(StorageError, ValueError):
+class StorageConfigError(StorageError, InputError, ValueError):
     """A malformed URL or storage setting (the user's input)."""
 
 
@@ -40,22 +41,22 @@ class EndpointUnreachableError(TransientStorageError):
     """No connection to the endpoint (refused, DNS, connect timeout)."""
 
 
-class AccessDeniedError(StorageError, PermissionError):
+class AccessDeniedError(StorageError, InputError, PermissionError):
     """HTTP 403: wrong or missing credentials, or no permission on the bucket or key."""
 
 
-class BucketNotFoundError(StorageError, FileNotFoundError):
+class BucketNotFoundError(StorageError, InputError, FileNotFoundError):
     """The bucket does not exist on this endpoint."""
 
 
-class ObjectNotFoundError(StorageError, FileNotFoundError):
+class ObjectNotFoundError(StorageError, InputError, FileNotFoundError):
     """No object under this key (or, for a prefix, no object under it)."""
 
 
-class ObjectChangedError(StorageError):
+class ObjectChangedError(StorageError, InputError):
     """A download's size differs from what was expected of the object (it was replaced while
     being read, or a manifest describes another version of it)."""
 
 
-class CacheError(StorageError):
+class CacheError(StorageError, InputError):
     """The node-local cache cannot hold or serve an object (too large, unwritable directory)."""

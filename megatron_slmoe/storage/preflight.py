@@ -5,7 +5,7 @@ prefix); :func:`check_writable` writes what it will write (a small probe object 
 prefix, deleted again). Both run on the store of :func:`preflight_store`, whose retry budget is
 short (``--storage-preflight-timeout``), and raise the first problem as one line naming the URL
 and the endpoint: wrong credentials, a missing bucket or key, an unreachable endpoint.
-``training/inputs.py`` names the flag and turns it into exit code 2.
+``storage.checks`` names the flag (a ConfigError: exit code 2).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class Storage:
         """Local paths of a data setting: a local file or one object -> its one path; a URL ending
         in ``/`` -> every object under it whose key ends with ``suffix``, in key order (the shard
         order), downloaded ``--prefetch-shards`` ahead."""
-        return self.local_files(self._expand(path, suffix))
+        return self.local_files(self.expand(path, suffix))
 
     def local_indexed_datasets(self, prefix: PathOrURL) -> list[str]:
         """Local Megatron indexed-dataset prefixes of a data setting: a local prefix -> itself; a
@@ -106,12 +106,12 @@ class Storage:
         if not is_object_url(prefix):
             return [os.fspath(prefix)]
         url = parse_url(prefix)
-        prefixes = [str(idx)[: -len(".idx")] for idx in self._expand(url, ".idx")] \
+        prefixes = [str(idx)[: -len(".idx")] for idx in self.expand(url, ".idx")] \
             if url.is_prefix else [str(url)]
         local = self.local_files([f for p in prefixes for f in indexed_dataset_files(p)])
         return [idx[: -len(".idx")] for idx in local[0::2]]
 
-    def _expand(self, path: PathOrURL, suffix: str) -> list[PathOrURL]:
+    def expand(self, path: PathOrURL, suffix: str) -> list[PathOrURL]:
         """A URL ending in ``/`` -> its objects whose keys end with ``suffix``, in key order;
         anything else -> itself."""
         if not is_object_url(path) or not parse_url(path).is_prefix:

@@ -19,8 +19,12 @@ it on first use, and a spawned one outlives a killed trainer).
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
 from functools import partial
+from multiprocessing.connection import wait
 from typing import Callable, Optional
 
 import torch
@@ -32,7 +36,11 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_slmoe.compat.megatron import set_write_results_queue, write_results_queue
+from megatron_slmoe.platform import apply_adaptor
+from megatron_slmoe.platform.patching import PatchRegistry
 from megatron_slmoe.training import checkpointing
+from megatron_slmoe.training.reliability.lifeline import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +59,13 @@ class CheckpointWriter:
         self.persistent_worker = persistent_worker and async_save
         self.blocked_s_by_save: list[float] = []
         self._queue = None
+        self._writer_watch: Optional[WriterWatch] = None
         if self.async_save:
             self._queue = AsyncCallsQueue(persistent=self.persistent_worker)
             if self.persistent_worker:
                 self._queue.persistent_caller = _start_persistent_worker()
+                self._writer_watch = WriterWatch(self._queue.persistent_caller.process,
+                                                 torch.distributed.get_rank())
             # One strategy for the whole run: Megatron caches the save plan between checkpoints
             # of the same structure.
             self._strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
@@ -101,6 +112,8 @@ class CheckpointWriter:
             self._finalize(blocking=True)
             if self.blocked_s_by_save:
                 self.blocked_s_by_save[-1] += time.perf_counter() - start
+        if self._writer_watch is not None:
+            self._writer_watch.closing()
         self._queue.close(abort=abort)
         self._queue = None
 
@@ -112,16 +125,53 @@ class CheckpointWriter:
                         "the newest", " ".join(str(err).split())[:300])
 
 
+class WriterWatch:
+    """Ends this rank when its persistent writer ends before ``closing()``: Megatron's trainer
+    side waits for the writer without a timeout (``preload_q.join()``, the completion queue), so
+    a writer that died (killed, out of memory, an error at its start) would hold the loop for
+    ever. The rank exits (``WRITER_DIED_EXIT_CODE``) with one line; torchrun restarts the job from
+    the newest complete checkpoint. ``on_death(line)`` replaces the exit (tests)."""
+
+    def __init__(self, process, rank: int,
+                 on_death: Optional[Callable[[str], None]] = None) -> None:
+        self._closing = threading.Event()
+        self._on_death = on_death or _exit_for_writer
+        self._process, self._rank = process, rank
+        threading.Thread(target=self._watch, name="slmoe-writer-watch", daemon=True).start()
+
+    def closing(self) -> None:
+        """The writer is being stopped on purpose from now on."""
+        self._closing.set()
+
+    def _watch(self) -> None:
+        wait([self._process.sentinel])
+        if self._closing.is_set():
+            return
+        self._process.join(timeout=1)
+        code = self._process.exitcode
+        how = (f"killed by signal {-code}" if code is not None and code < 0
+               else f"exit code {code}")
+        self._on_death(f"[checkpoint] rank {self._rank}: its checkpoint writer (pid "
+                       f"{self._process.pid}) ended ({how}) while the run still needed it; the "
+                       f"rank stops (the newest complete checkpoint is intact)")
+
+
+WRITER_DIED_EXIT_CODE = 1
+
+
+def _exit_for_writer(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(WRITER_DIED_EXIT_CODE)
+
+
 def _serve_write_results() -> None:
     """Start the queue that Megatron's shard writers send their results to, served by a forked
     manager process that ends with this trainer (no second import, no orphan)."""
     from multiprocessing.managers import SyncManager
-
-    from megatron_slmoe.compat.megatron import (
-        set_write_results_queue,
-        write_results_queue,
-    )
-    from megatron_slmoe.training.lifeline import exit_with_parent
 
     if write_results_queue() is not None:
         return  # already served
@@ -149,8 +199,19 @@ def _start_persistent_worker() -> PersistentAsyncCaller:
 
 
 def checkpoint_worker_loop(rank: int, *args) -> None:
-    """The persistent worker's process: Megatron's loop, ended with the trainer that spawned it."""
-    from megatron_slmoe.training.lifeline import exit_with_parent
+    """The persistent worker's process: Megatron's loop, ended with the trainer that spawned it.
+
+    A spawned process starts bare: it adapts Megatron-Core to the platform as the trainer did.
+    Megatron's loop first pins itself to device ``rank % torch.cuda.device_count()``, a division
+    by zero where no CUDA device is visible (the CPU): the writer died there before its first
+    request and the trainer waited for it forever. Here the writer counts one device (the
+    adaptor's ``set_device`` does nothing on the CPU)."""
 
     exit_with_parent(f"checkpoint writer of rank {rank}")
+    apply_adaptor()
+    if torch.cuda.device_count() == 0:
+        registry = PatchRegistry()
+        registry.register("torch.cuda.device_count", lambda: 1,
+                          "the persistent writer pins itself to rank % device_count()")
+        registry.apply()
     PersistentAsyncCaller.async_loop(rank, *args)

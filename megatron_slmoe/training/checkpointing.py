@@ -36,6 +36,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from safetensors.torch import load_file, save_file
 
 from megatron_slmoe.data.tokenizer import BASE_TOKENIZER
+from megatron_slmoe.platform import current as current_platform
 from megatron_slmoe.runtime.bases import BASE_MODEL_FILE, BASE_MODEL_NAME
 from megatron_slmoe.utils.atomic import (
     promote_directory,
@@ -43,7 +44,7 @@ from megatron_slmoe.utils.atomic import (
     write_json_atomic,
     write_text_atomic,
 )
-from megatron_slmoe.utils.manifest import MANIFEST, inventory, sha256_file
+from megatron_slmoe.utils.manifest import MANIFEST, inventory, sha256_file, verify
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ def trainable_sharded_state_dict(model_chunks) -> dict[str, Any]:
 def _rng_state() -> dict[str, torch.Tensor]:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    from megatron_slmoe.platform import current as current_platform
-
     states = {"cpu": torch.get_rng_state()}
     if current_platform().name == "cuda":
         states["accelerator"] = torch.cuda.get_rng_state()
@@ -90,8 +89,6 @@ def _rng_state() -> dict[str, torch.Tensor]:
 
 def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    from megatron_slmoe.platform import current as current_platform
 
     torch.set_rng_state(states["cpu"])
     if "accelerator" in states and current_platform().name == "cuda":
@@ -248,35 +245,6 @@ def save_base_checkpoint(model, directory: str, model_config_name: str, tokenize
 
 
 # --- loading -----------------------------------------------------------------------------------
-
-
-def verify(directory: str, checksums: bool = True) -> Optional[str]:
-    """None if the checkpoint is complete and intact, else why not (one line naming the file).
-    ``checksums=False`` compares sizes only (fast: for checks before a run starts)."""
-    manifest_path = os.path.join(directory, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        return "no MANIFEST.json (the save did not finish)"
-    try:
-        with open(manifest_path, encoding="utf-8") as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"unreadable MANIFEST.json ({err})"
-    present = set(_inventory_names(directory))
-    for rel, expected in files.items():
-        path = os.path.join(directory, rel)
-        if rel not in present:
-            return f"{rel} is missing"
-        if os.path.getsize(path) != expected["bytes"]:
-            return f"{rel} has {os.path.getsize(path)} bytes, the manifest says {expected['bytes']}"
-        if checksums and sha256_file(path) != expected["sha256"]:
-            return f"{rel} does not match its checksum"
-    return None
-
-
-def _inventory_names(directory: str) -> list[str]:
-    return [os.path.relpath(os.path.join(b, n), directory)
-            for b, _, names in os.walk(directory) for n in names]
 
 
 def find_resumable(root: str) -> Optional[str]:

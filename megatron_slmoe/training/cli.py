@@ -27,6 +27,7 @@ import yaml
 from megatron_slmoe.config.errors import ConfigError
 from megatron_slmoe.training.config import RunConfig, validate_run
 from megatron_slmoe.config.schema import hints, settings
+from megatron_slmoe.config.yaml_file import describe_yaml_error, load_unique
 from megatron_slmoe.config.types import describe, is_list, is_optional, literal_choices, matches, \
     scalar_type
 from megatron_slmoe.utils.redact import redact_mapping
@@ -147,11 +148,14 @@ def read_yaml(path: str) -> dict[str, dict[str, Any]]:
     """The sections of a run-configuration file, each key checked against its field's type."""
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = load_unique(handle.read())
     except OSError as err:
         raise ConfigError(f"--config {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not a text file (not UTF-8); give the YAML file of "
+                          f"a run configuration (--print-config writes one)") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        raise ConfigError(f"--config {path}: not valid YAML{describe_yaml_error(err)}") from None
     if data is None:
         return {}
     sections = RunConfig.sections()

@@ -20,7 +20,7 @@ from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.model.config import ModelSection, VisionConfig
 from megatron_slmoe.moe.config import MoERunConfig, MonitorConfig
 from megatron_slmoe.parallel.config import ParallelConfig
-from megatron_slmoe.parallel.layout import data_parallel_size
+from megatron_slmoe.parallel.layout import batch_split_problem, data_parallel_size
 from megatron_slmoe.storage.config import StorageConfig, check_locations
 
 
@@ -124,10 +124,13 @@ class OutputConfig(Section):
         None, flag="--export-hf",
         help="with --hf-checkpoint: at the end also write the adapter here as a PEFT adapter of "
              "the HF base (slmoe-convert-hf export; a new or empty directory)")
-    export_hf_layout: Literal["per-expert", "fused"] = setting(
+    export_hf_layout: Literal["per-expert", "fused", "shared-outer",
+                              "shared-outer-expanded"] = setting(
         "per-expert", flag="--export-hf-layout",
-        help="routed experts in the --export-hf adapter: per-expert modules (vLLM) or PEFT "
-             "target_parameters on transformers 5's fused 3D expert tensors")
+        help="the --export-hf adapter's layout, named by what reads it: per-expert (vLLM), fused "
+             "(PEFT target_parameters on transformers 5's 3D experts), shared-outer (SGLang "
+             "--experts-shared-outer-loras), shared-outer-expanded (vLLM/PEFT); "
+             "megatron_slmoe.hf.export_layouts")
     async_save: bool = setting(
         True, flag="--async-save",
         help="write checkpoints in the background while training continues (Megatron-Core's "
@@ -220,9 +223,9 @@ def validate_run(run: RunConfig, world_size: int) -> None:
     tp, pp, ep = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                   parallel.expert_model_parallel_size)
     dp = data_parallel_size(world_size, tp, pp, ep)
-    if schedule.global_batch_size % (schedule.micro_batch_size * dp):
-        raise ConfigError(f"--global-batch-size {schedule.global_batch_size} is not a multiple of "
-                          f"--micro-batch-size {schedule.micro_batch_size} x data-parallel size {dp}")
+    batch_problem = batch_split_problem(schedule.global_batch_size, dp, schedule.micro_batch_size)
+    if batch_problem:
+        raise ConfigError(batch_problem)
     if run.optimizer.lr_warmup_iters >= schedule.train_iters:
         raise ConfigError(f"--lr-warmup-iters {run.optimizer.lr_warmup_iters} must be below "
                           f"--train-iters {schedule.train_iters}")

@@ -5,34 +5,37 @@ task's multimodal model), DDP and the (distributed) optimizer over the trainable
 the pipeline schedules, dist checkpointing. A task (``training.tasks``) brings the data, the
 forward step and the held-out answers; every other concern of a run (routing quality, hangs and
 stragglers, the attempt record, the progress line, accuracy, exports, the summary, mirroring to
-object storage) is a callback (``training.callbacks``). A new concern is a new callback: pass it
-as ``Engine(run, platform, callbacks=[...])``.
+object storage) is a callback (``training.callbacks``, ``training.reliability``,
+``training.reporting``).
 
-The engine is the one place that sees the whole run configuration: it gives every component its
-own section. What a run writes goes under its output directory; ``metrics.jsonl`` is the engine's
-record sink (rank 0), one record per step filled in by the callbacks.
+The engine knows the protocols, not the concerns: what a run is made of (its task, its callbacks
+and their order, what a failure that would repeat does to the job, the out-of-memory report) is
+a ``Recipe`` the composition root gives it (``training.recipe``; a new concern is a new callback:
+``recipe.build_engine(run, platform, callbacks=[...])``). What a run writes goes under its output
+directory; ``metrics.jsonl`` is the engine's record sink (rank 0), one record per step filled in
+by the callbacks.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
 import time
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from megatron_slmoe.training.callbacks.base import (
-    BEFORE,
-    DURING,
-    FINAL,
-    Callback,
-    Callbacks,
-    RunContext,
-)
+from megatron_slmoe.data.sampler import micro_batches
+from megatron_slmoe.model.attention_residuals import pipeline_seq_length
+from megatron_slmoe.training import checkpointing
+from megatron_slmoe.training.async_checkpoint import CheckpointWriter
+from megatron_slmoe.training.callbacks.base import BEFORE, Callback, Callbacks, DURING, FINAL
 from megatron_slmoe.training.config import RunConfig
+from megatron_slmoe.training.context import RunContext
+from megatron_slmoe.training.inputs import PreparedRun
+from megatron_slmoe.training.reporting.metrics import MetricsWriter, NoRecords
 from megatron_slmoe.training.tasks.base import Task
 
 log = logging.getLogger("megatron_slmoe.training")
@@ -46,62 +49,53 @@ class NonFiniteError(RuntimeError):
     replay it)."""
 
 
-def build_task(run: RunConfig, hf=None) -> Task:
-    """The run's task; ``hf``: the opened HF checkpoint the run starts from, if any."""
-    if run.data.task == "image-text":
-        from megatron_slmoe.training.tasks.image_text import ImageTextTask
+@dataclass(frozen=True)
+class BuiltRun:
+    """What a recipe builds for a prepared run on Megatron-Core: the task, the model and its
+    optimizer, the storage and the datasets."""
 
-        return ImageTextTask(run.data, run.vision, run.image_text, run.schedule,
-                             run.model.finetune_mode, hf)
-    from megatron_slmoe.training.tasks.text import TextTask
+    task: Task
+    model: list
+    transformer_config: Any
+    ddp: list
+    optimizer: Any
+    scheduler: Any
+    storage: Any
+    train: Any
+    valid: Any
 
-    return TextTask(run.data, run.schedule)
 
+@dataclass(frozen=True)
+class Recipe:
+    """What a run is made of, given to the engine by the composition root (``training.recipe``).
 
-def build_callbacks(run: RunConfig, task: Task, extra: Sequence[Callback] = ()) -> list[Callback]:
-    """The run's callbacks in the order they are called: those that fill in a step's record or
-    the summary first (``extra`` after the built-in ones), then the summary, the mirror, and the
-    attempt record last."""
-    from megatron_slmoe.training.callbacks.accuracy import HeldOutAnswers
-    from megatron_slmoe.training.callbacks.mirror import OutputMirror
-    from megatron_slmoe.training.callbacks.outputs import AdapterExport, BaseExport
-    from megatron_slmoe.training.callbacks.progress import ProgressLog
-    from megatron_slmoe.training.callbacks.reliability import (
-        AttemptRecord,
-        HangWatch,
-        StragglerWatch,
-    )
-    from megatron_slmoe.training.callbacks.routing import RoutingQuality
-    from megatron_slmoe.training.callbacks.summary import RunSummary
+    ``prepare(run, platform)``: the process groups started and the run's inputs opened once per
+    rank (``run``: a prepared run, or a run configuration still to open), the run resolved
+    against them; ``build(prepared, platform)``: its task, model, optimizer and datasets
+    (``BuiltRun``); ``callbacks(run, task, extra)``: its callbacks in the order they are called,
+    ``extra`` (the caller's) among them; ``failed(run, err)``: told of every failure before it
+    propagates (one that would repeat ends the job); ``oom_report(run, platform, model_config,
+    hf, err)``: the line an out-of-memory error is reported with."""
 
-    lora = run.model.finetune_mode == "lora"
-    callbacks: list[Callback] = [
-        ProgressLog(run.schedule.log_interval, run.lora if lora else None),
-        StragglerWatch(run.health, run.schedule.log_interval),
-        HangWatch(run.health),  # before the answers: the final ones are not timed
-        RoutingQuality(run.moe, run.monitor, lora),
-        *task.callbacks(),
-        HeldOutAnswers(task),
-    ]
-    if lora:
-        callbacks.append(AdapterExport(run.lora, run.model, run.output.export_hf,
-                                       run.output.export_hf_layout))
-    if run.output.save_base:
-        callbacks.append(BaseExport(run.output.save_base, run.model.config))
-    callbacks += [*extra, RunSummary(run.output.plots)]
-    if run.output.output_url:
-        callbacks.append(OutputMirror(run.output.output_url, run.output.keep_last,
-                                      run.output.export_hf))
-    callbacks.append(AttemptRecord())
-    return callbacks
+    prepare: Callable[[Union[PreparedRun, RunConfig], Any], PreparedRun]
+    build: Callable[[PreparedRun, Any], BuiltRun]
+    callbacks: Callable[[RunConfig, Task, Sequence[Callback]], list[Callback]]
+    failed: Callable[[RunConfig, BaseException], None]
+    oom_report: Callable[[RunConfig, Any, Any, Any, BaseException], str]
 
 
 class Engine:
     """One run. ``setup()`` builds everything (collective); ``run()`` is the whole run and its
     exit code; ``train_step()`` and ``evaluate()`` are its steps, for tests and tools."""
 
-    def __init__(self, run: RunConfig, platform, callbacks: Sequence[Callback] = ()) -> None:
-        self.run_config, self.platform = run, platform
+    def __init__(self, run: Union[PreparedRun, RunConfig], platform, recipe: Recipe,
+                 callbacks: Sequence[Callback] = ()) -> None:
+        """``run``: a prepared run (``training.inputs.prepare_run``: checked, its inputs opened),
+        or a run configuration whose inputs ``setup()`` opens (tests, tools)."""
+        self.prepared = run if isinstance(run, PreparedRun) else None
+        self.run_config = run.run if isinstance(run, PreparedRun) else run
+        self.platform = platform
+        self.recipe = recipe
         self.extra_callbacks = list(callbacks)
         self.ctx: Optional[RunContext] = None
         self.callbacks = Callbacks([])
@@ -115,39 +109,16 @@ class Engine:
     def setup(self) -> RunContext:
         from megatron.core import parallel_state
 
-        from megatron_slmoe.storage import Storage
-        from megatron_slmoe.runtime import model as runtime
-        from megatron_slmoe.training import model_setup
-        from megatron_slmoe.training.async_checkpoint import CheckpointWriter
-        from megatron_slmoe.training.metrics import NoRecords
-        from megatron_slmoe.training.resolve import resolve_run
-
-        run = self.run_config
         # Tear down at the end only what this engine sets up (a test's rank pool keeps its own).
         self._owns_process_group = not torch.distributed.is_initialized()
         self._owns_model_parallel = not parallel_state.model_parallel_is_initialized()
-        runtime.init_distributed(run.parallel, run.schedule.seed, self.platform)
-        run = self.run_config = resolve_run(run, self.platform)
-        storage = Storage(run.storage)
-        model_config, hf = runtime.open_model(run.model)  # checked before start-up
-        model_config = model_setup.model_config_for_run(
-            model_config, run.moe, run.model.finetune_mode,
-            run.parallel.distributed_timeout_minutes)
-        self.model_config, self.hf = model_config, hf
-        task = self.task = build_task(run, hf)
-        model, transformer_config = runtime.build_model(
-            model_config, run.parallel, run.model.precision == "bf16", self.platform,
-            initialize=not (run.model.base_checkpoint or run.model.hf_checkpoint),
-            build=runtime.model_builder(task.build_model, hf))
-        runtime.load_base_weights(model, run.model, hf, storage)
-        task.after_base_weights(model)
-        if run.model.finetune_mode == "lora":
-            runtime.add_lora(model, run.lora, run.model.adapter_init, storage)
-        ddp, optimizer, scheduler = model_setup.wrap_and_optimize(
-            model, transformer_config, run.optimizer, run.schedule,
-            run.parallel.use_distributed_optimizer, run.model.precision == "bf16")
+        prepared = self.recipe.prepare(self.prepared or self.run_config, self.platform)
+        self.prepared, run = prepared, prepared.run
+        self.run_config, self.model_config, self.hf = run, prepared.model_config, prepared.hf
+        built = self.recipe.build(prepared, self.platform)
+        task = self.task = built.task
+        model, transformer_config = built.model, built.transformer_config
         output_dir = run.output.output_dir
-        train, valid, tokenizer = task.datasets(storage, model_config, output_dir)
         schedule = run.schedule
         self.ctx = ctx = RunContext(
             platform=self.platform, rank=torch.distributed.get_rank(),
@@ -156,39 +127,23 @@ class Engine:
             dp_size=parallel_state.get_data_parallel_world_size(), output_dir=output_dir,
             train_iters=schedule.train_iters, global_batch_size=schedule.global_batch_size,
             micro_batch_size=schedule.micro_batch_size, seq_length=run.data.seq_length,
-            model=model, ddp=ddp, transformer_config=transformer_config,
-            model_config=model_config, optimizer=optimizer, scheduler=scheduler,
-            tokenizer=tokenizer, train=train, valid=valid, storage=storage, records=NoRecords(),
+            model=model, ddp=built.ddp, transformer_config=transformer_config,
+            model_config=prepared.model_config, optimizer=built.optimizer,
+            scheduler=built.scheduler, tokenizer=prepared.tokenizer, hf=prepared.hf,
+            train=built.train, valid=built.valid, storage=built.storage, records=NoRecords(),
             forward_only=self.forward_only, microbatches=self.microbatches, stop=self.stop)
-        self.callbacks = Callbacks(build_callbacks(run, task, self.extra_callbacks))
+        self.callbacks = Callbacks(self.recipe.callbacks(run, task, self.extra_callbacks))
         self.checkpoints = CheckpointWriter(
             run.output.async_save, run.output.use_persistent_ckpt_worker,
             before_promote=self.callbacks.checkpoint_promoting,
             after_promote=self.callbacks.checkpoint_promoted)
-        if ctx.rank == 0:
-            self._announce()
         self.callbacks.setup(ctx)
         return ctx
-
-    def _announce(self) -> None:
-        from megatron_slmoe.training.cli import to_yaml
-        from megatron_slmoe.utils.atomic import write_text_atomic
-
-        run, ctx = self.run_config, self.ctx
-        write_text_atomic(os.path.join(ctx.output_dir, "config.yaml"), to_yaml(run))
-        trainable = sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)
-        parallel = run.parallel
-        log.info("[finetune] platform=%s backend=%s world=%d tp=%d pp=%d ep=%d dp=%d mode=%s "
-                 "trainable=%s output=%s", self.platform.name, self.platform.backend,
-                 ctx.world_size, parallel.tensor_model_parallel_size,
-                 parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size,
-                 ctx.dp_size, run.model.finetune_mode, f"{trainable:,}", ctx.output_dir)
 
     # -- steps -----------------------------------------------------------------------------------
 
     def microbatches(self, dataset, start: int) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of the global batch of samples ``[start, start + GB)``."""
-        from megatron_slmoe.data.sampler import micro_batches
 
         ctx = self.ctx
         window = range(start, start + ctx.global_batch_size)
@@ -204,7 +159,8 @@ class Engine:
         losses = get_forward_backward_func()(
             forward_step_func=self.task.step_function(ctx.device),
             data_iterator=iter(microbatches), model=ctx.ddp, num_microbatches=len(microbatches),
-            seq_length=ctx.seq_length, micro_batch_size=ctx.micro_batch_size,
+            seq_length=pipeline_seq_length(ctx.ddp, ctx.seq_length),
+            micro_batch_size=ctx.micro_batch_size,
             forward_only=forward_only)
         loss = torch.zeros(1, dtype=torch.float64, device=ctx.device)
         if parallel_state.is_pipeline_last_stage():
@@ -287,17 +243,7 @@ class Engine:
                 # Every rank meets a non-finite loss at the same step (it is reduced): the
                 # checkpoint in flight, of an earlier step, is finished; otherwise left unfinished.
                 self.checkpoints.close(abort=not isinstance(err, NonFiniteError))
-            disk_full = isinstance(err, OSError) and err.errno == errno.ENOSPC
-            if (isinstance(err, input_errors()) or disk_full) and self.run_config.output.output_dir:
-                from megatron_slmoe.training.lifeline import end_job_for_input_error
-
-                message = str(err)
-                if disk_full:
-                    where = err.filename or "a file the run writes"
-                    message = (f"no space left on the device of {where} (the newest complete "
-                               f"checkpoint is intact): free space or lower --keep-last, then "
-                               f"rerun to resume")
-                end_job_for_input_error(self.run_config.output.output_dir, message)
+            self.recipe.failed(self.run_config, err)  # one that would repeat ends the job
             if not _is_out_of_memory(err):
                 raise
             log.error("[finetune] rank %d: %s", torch.distributed.get_rank(),
@@ -311,13 +257,10 @@ class Engine:
         self.callbacks.stopped(self.ctx, reason, self.ctx.iteration if self.ctx else 0)
 
     def terminated(self) -> None:
-        """SIGTERM's last word (training.lifeline): this rank was stopped, it did not fail."""
+        """SIGTERM's last word (training.reliability.lifeline): this rank was stopped, it did not fail."""
         self.stop("SIGTERM: stopped (torchrun stops every rank once one fails)")
 
     def _train(self) -> None:
-        from megatron_slmoe.training import checkpointing
-        from megatron_slmoe.training.metrics import MetricsWriter
-
         ctx, schedule, output = self.ctx, self.run_config.schedule, self.run_config.output
         root = os.path.join(ctx.output_dir, "checkpoints")
         resume_from = self._resume_point(root) if output.resume else None
@@ -356,7 +299,6 @@ class Engine:
     def _resume_point(self, root: str) -> Optional[str]:
         """The newest intact checkpoint of the run, or one newer that a callback brings (from
         --output-url's store)."""
-        from megatron_slmoe.training import checkpointing
 
         local = checkpointing.find_resumable(root)
         return self.callbacks.newer_checkpoint(self.ctx, local) or local
@@ -397,33 +339,8 @@ class Engine:
         return 0
 
     def _oom_report(self, err: BaseException) -> str:
-        from megatron_slmoe.plan.check import format_oom_report
-        from megatron_slmoe.training.inputs import memory_check
-
-        check = None
-        if self.model_config is not None:
-            check = memory_check(self.run_config, torch.distributed.get_world_size(),
-                                 self.platform, self.model_config, self.hf)
-        if check is None:
-            return f"out of memory: {str(err).splitlines()[0]} (no device memory to plan against)"
-        return format_oom_report(check, err)
-
-
-def input_errors() -> tuple[type, ...]:
-    """Errors a restart would meet again: bad input (a damaged data shard, an adapter that does
-    not fit, a stored object that is not there, text carrying a model's image tokens) and a loss
-    gone NaN (replayed from the newest checkpoint, it goes NaN again)."""
-    from megatron_slmoe.config.errors import ConfigError
-    from megatron_slmoe.data.errors import DataError
-    from megatron_slmoe.hf.errors import HFCheckpointError
-    from megatron_slmoe.lora.adapter import AdapterError
-    from megatron_slmoe.model.tower_language import ImageTokenMismatch
-    from megatron_slmoe.storage.errors import AccessDeniedError, BucketNotFoundError, \
-        ObjectNotFoundError, StorageConfigError
-
-    return (ConfigError, DataError, HFCheckpointError, AdapterError, AccessDeniedError,
-            BucketNotFoundError, ObjectNotFoundError, StorageConfigError, ImageTokenMismatch,
-            NonFiniteError)
+        return self.recipe.oom_report(self.run_config, self.platform, self.model_config, self.hf,
+                                      err)
 
 
 def _is_out_of_memory(err: BaseException) -> bool:

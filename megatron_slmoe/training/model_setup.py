@@ -21,21 +21,13 @@ from megatron_slmoe.training.config import OptimizerConfig, ScheduleConfig
 
 def model_config_for_run(model_config: ModelConfig, moe: MoERunConfig, finetune_mode: str,
                          distributed_timeout_minutes: Optional[int]) -> ModelConfig:
-    """The model's SLMoE settings with the run's MoE choices applied, and a frozen router for
-    LoRA."""
+    """The model's SLMoE settings with the run's MoE flags over them (``MoERunConfig.over``), the
+    run's process-group timeout, and a frozen router for LoRA."""
     changes = {"distributed_timeout_minutes": distributed_timeout_minutes}
-    if moe.token_dispatcher_type:
-        changes["dispatcher"] = moe.token_dispatcher_type
-    if moe.hierarchical_alltoall:
-        changes["hierarchical_alltoall"] = True
-    if moe.node_size:
-        changes["node_size"] = moe.node_size
-    if moe.overlap_chunks:
-        changes["overlap_chunks"] = moe.overlap_chunks
     if finetune_mode == "lora":
         changes["freeze_router"] = True  # and with it the aux-loss-free expert bias
     return dataclasses.replace(model_config,
-                               slmoe=dataclasses.replace(model_config.slmoe, **changes))
+                               slmoe=dataclasses.replace(moe.over(model_config.slmoe), **changes))
 
 
 def wrap_and_optimize(model, config, optimizer: OptimizerConfig, schedule: ScheduleConfig,

@@ -71,11 +71,14 @@ slmoe_last_value() {
 # slmoe_run_logged LOG COMMAND...: run COMMAND with its output on the terminal and appended to
 # LOG; return its exit code. SIGTERM/SIGINT/SIGHUP to the launcher stop it (torchrun passes them to
 # its workers); a watchdog stops it if the launcher itself is killed (SIGKILL cannot be trapped).
+# With SLMOE_END_REPORT set, the terminal stops showing the output once a rank has written the
+# job's end there (the job ends on a failure that would repeat: the launcher prints its one line;
+# the tracebacks of torchrun and of the ranks it stops go to LOG only).
 SLMOE_CHILD=
 slmoe_run_logged() {
     local log=$1 rc=0 watchdog
     shift
-    "$@" > >(tee -a "$log") 2>&1 &
+    "$@" > >(slmoe_tee_until_report "$log" "${SLMOE_END_REPORT:-}") 2>&1 &
     SLMOE_CHILD=$!
     trap 'slmoe_stop_child TERM' TERM HUP
     trap 'slmoe_stop_child INT' INT
@@ -86,6 +89,15 @@ slmoe_run_logged() {
     trap - TERM HUP INT
     SLMOE_CHILD=
     return "$rc"
+}
+
+slmoe_tee_until_report() {  # slmoe_tee_until_report LOG REPORT: stdin to LOG, and to the
+    local log=$1 report=$2 line  # terminal until REPORT is not empty
+    if [ -z "$report" ]; then exec tee -a "$log"; fi
+    while IFS= read -r line || [ -n "$line" ]; do
+        printf '%s\n' "$line" >>"$log"
+        [ -s "$report" ] || printf '%s\n' "$line"
+    done
 }
 
 slmoe_stop_child() {  # the trap: stop the running command, wait for it, exit like it

@@ -1,7 +1,7 @@
 """The engine's extension point, on 2 gloo ranks (EP=2): a callback passed to
-``Engine(run, platform, callbacks=[...])`` sees every event in order on every rank, fills in the
-step records and the summary, has its state saved with each checkpoint and given back on resume,
-and a failure inside it ends the run with the reason recorded for the next attempt."""
+``recipe.build_engine(run, platform, callbacks=[...])`` sees every event in order on every rank,
+fills in the step records and the summary, has its state saved with each checkpoint and given back
+on resume, and a failure inside it ends the run with the reason recorded for the next attempt."""
 
 import json
 
@@ -19,7 +19,7 @@ def engine_run(args: list[str], fail_at: int = 0) -> dict:
     back from a checkpoint, and how the run ended."""
     import megatron_slmoe
     from megatron_slmoe.training.callbacks.base import Callback
-    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.recipe import build_engine
     from megatron_slmoe.training.finetune import parse
 
     class Recorder(Callback):
@@ -68,7 +68,7 @@ def engine_run(args: list[str], fail_at: int = 0) -> dict:
             self.events.append("close")
 
     recorder = Recorder()
-    engine = Engine(parse(args).run, megatron_slmoe.PLATFORM, callbacks=[recorder])
+    engine = build_engine(parse(args).run, megatron_slmoe.PLATFORM, callbacks=[recorder])
     try:
         ended = engine.run()
     except RuntimeError as err:
@@ -128,9 +128,9 @@ def nan_run(args: list[str], poison_after: int) -> dict:
 
     import megatron_slmoe
     from megatron_slmoe.training.callbacks.base import Callback
-    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.recipe import build_engine
     from megatron_slmoe.training.finetune import parse
-    from megatron_slmoe.training.lifeline import input_error
+    from megatron_slmoe.training.reliability.lifeline import input_error
 
     def poison(model) -> None:
         with torch.no_grad():
@@ -150,7 +150,7 @@ def nan_run(args: list[str], poison_after: int) -> dict:
     run = parse(args).run
     os.environ.pop("SLMOE_END_REPORT", None)  # the output directory keeps the launcher's line
     try:
-        Engine(run, megatron_slmoe.PLATFORM, callbacks=[Poison()]).run()
+        build_engine(run, megatron_slmoe.PLATFORM, callbacks=[Poison()]).run()
         ended = None
     except RuntimeError as err:
         ended = str(err)

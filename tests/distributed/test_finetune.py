@@ -165,12 +165,12 @@ def test_killed_rank_restarts_in_job_and_reproduces_losses(start, single_rank):
 
 def frozen_base_run(args: list[str]) -> dict:
     """Train a few steps in-process; report what changed and what the optimizer holds."""
-    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.recipe import build_engine
     from megatron_slmoe.training.finetune import parse
 
     import megatron_slmoe
 
-    engine = Engine(parse(args).run, megatron_slmoe.PLATFORM)
+    engine = build_engine(parse(args).run, megatron_slmoe.PLATFORM)
     ctx = engine.setup()
     named = dict(ctx.model.named_parameters())
     lora = {n for n in named if "lora" in n}

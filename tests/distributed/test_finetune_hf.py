@@ -60,10 +60,10 @@ def checkpoint(tmp_path_factory):
 def finetune_steps(args: list[str]) -> dict:
     """The entry point's engine, in-process: set-up, held-out loss, ITERS steps, held-out loss."""
     import megatron_slmoe
-    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.recipe import build_engine
     from megatron_slmoe.training.finetune import parse
 
-    engine = Engine(parse(args).run, megatron_slmoe.PLATFORM)
+    engine = build_engine(parse(args).run, megatron_slmoe.PLATFORM)
     engine.setup()
     eval_before = engine.evaluate()
     losses = [engine.train_step()["loss"] for _ in range(ITERS)]
@@ -111,10 +111,10 @@ def _run_and_logits(args: list[str], adapter: str, hf_dir: str, inputs: dict):
     import megatron_slmoe
     from megatron_slmoe.lora.adapter import load_adapter, read_adapter_config
     from megatron_slmoe.lora.inject import inject_lora
-    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.recipe import build_engine
     from megatron_slmoe.training.finetune import parse
 
-    assert Engine(parse(args).run, megatron_slmoe.PLATFORM).run() == 0
+    assert build_engine(parse(args).run, megatron_slmoe.PLATFORM).run() == 0
     model, _ = hf_models.load_kimi(hf_dir)
     lora_config, _ = read_adapter_config(adapter)
     inject_lora([model], lora_config)
@@ -470,6 +470,66 @@ def test_entry_point_accepts_the_checkpoint_before_start_up(checkpoint, tmp_path
     assert main([*_args(hf_dir, tmp_path / "run"), "--validate-only"]) == 0, capsys.readouterr()
     assert torch.distributed.is_initialized() == group_before  # forms no process group
     assert not (tmp_path / "run").exists()
+
+
+def _start_up_openings(args: list[str]) -> dict:
+    """The entry point's whole run on this rank, counting each opening of the HF checkpoint
+    (``HFCheckpoint.open``, under every way in) and of a tokenizer (``Tokenizer``): how many by
+    the end of the engine's set-up, and in all."""
+    from megatron_slmoe.data.tokenizer import Tokenizer
+    from megatron_slmoe.hf.checkpoint import HFCheckpoint
+    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.finetune import main
+
+    opened = {"checkpoint": [], "tokenizer": []}
+    at_setup = {}
+    open_checkpoint, make_tokenizer, setup = HFCheckpoint.open.__func__, Tokenizer.__init__, \
+        Engine.setup
+
+    def counted_open(cls, directory):
+        opened["checkpoint"].append(str(directory))
+        return open_checkpoint(cls, directory)
+
+    def counted_tokenizer(self, *args, **kwargs):
+        opened["tokenizer"].append(kwargs.get("path"))
+        make_tokenizer(self, *args, **kwargs)
+
+    def counted_setup(self):
+        ctx = setup(self)
+        at_setup.update({what: len(names) for what, names in opened.items()})
+        return ctx
+
+    HFCheckpoint.open, Tokenizer.__init__ = classmethod(counted_open), counted_tokenizer
+    Engine.setup = counted_setup
+    try:
+        code = main(args)
+    finally:
+        HFCheckpoint.open, Tokenizer.__init__ = classmethod(open_checkpoint), make_tokenizer
+        Engine.setup = setup
+    return {"code": code, "at_setup": at_setup, "opened": opened}
+
+
+def test_start_up_opens_the_checkpoint_and_its_tokenizer_once(checkpoint, tmp_path):
+    """The entry point's run (checks, then the engine given the prepared run) from an HF
+    checkpoint and a PEFT adapter converted at start-up: the checkpoint and the tokenizer are
+    each opened once on the rank, by the checks; set-up, the conversion, the run and the PEFT
+    export at its end reuse them."""
+    from peft import LoraConfig, get_peft_model
+
+    hf_dir, _ = checkpoint
+    base = hf_models.build("qwen3_moe", vocab_size=VOCAB, max_position_embeddings=SEQ)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                        init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(str(tmp_path / "peft"))
+    args = _args(hf_dir, tmp_path / "run", "--adapter-init", str(tmp_path / "peft"),
+                 "--export-hf", str(tmp_path / "exported"), "--export-hf-layout", "fused")
+    args[args.index("--train-iters") + 1] = "1"
+    result = run_ranks(_start_up_openings, 1, args=args)[0]
+    assert result["code"] == 0
+    assert (tmp_path / "exported" / "adapter_config.json").is_file()
+    assert result["opened"]["checkpoint"] == [str(hf_dir)]
+    assert result["at_setup"] == {"checkpoint": 1, "tokenizer": 1}
+    assert len(result["opened"]["tokenizer"]) == 1
 
 
 def test_launcher_refuses_a_truncated_shard_before_torchrun(checkpoint, tmp_path):

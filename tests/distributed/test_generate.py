@@ -22,7 +22,7 @@ def _prompts():
     from megatron_slmoe.data.assets import asset_path
     from megatron_slmoe.data.instruction import read_instruction_jsonl
     from megatron_slmoe.data.tokenizer import load_tokenizer
-    from megatron_slmoe.training.evaluation import request_for
+    from megatron_slmoe.inference.answers import request_for
 
     tokenizer = load_tokenizer(asset_path("tokenizer.json"))
     conversations = read_instruction_jsonl(asset_path("digits_eval.jsonl"))[:7]

@@ -64,10 +64,10 @@ def finetune_and_export(args: list[str], steps: int = ITERS):
     from megatron_slmoe.hf.loader import open_hf_checkpoint
     from megatron_slmoe.hf.megatron_export import export_megatron_weights
     from megatron_slmoe.lora.inject import unwrap_chunks
-    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.recipe import build_engine
     from megatron_slmoe.training.finetune import parse
 
-    engine = Engine(parse(args).run, megatron_slmoe.PLATFORM)
+    engine = build_engine(parse(args).run, megatron_slmoe.PLATFORM)
     ctx = engine.setup()
     grad_norms = [engine.train_step()["grad_norm"] for _ in range(steps)]
     logits = hf_models.megatron_logits(ctx.model, hf_models.tokens(seq=16))

@@ -51,7 +51,7 @@ def run_entry_point(args: list[str]) -> list[str]:
     import logging
 
     import megatron_slmoe
-    from megatron_slmoe.training.engine import Engine
+    from megatron_slmoe.training.recipe import build_engine
     from megatron_slmoe.training.finetune import parse
 
     lines: list[str] = []
@@ -65,7 +65,7 @@ def run_entry_point(args: list[str]) -> list[str]:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        assert Engine(parse(args).run, megatron_slmoe.PLATFORM).run() == 0
+        assert build_engine(parse(args).run, megatron_slmoe.PLATFORM).run() == 0
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -89,7 +89,8 @@ def test_image_text_lora_run_reports_bad_samples_and_accuracy(tmp_path):
             assert any(shard in line and repr(key) in line and f"skipped {reason}" in line
                        for line in log.splitlines()), (key, log[-3000:])
     expected = {"undecodable image": 2, "image count mismatch": 1, "path escapes dataset": 0,
-                "malformed record": 0, "too long": 0}
+                "malformed record": 0, "too long": 0, "undecodable video": 0,
+                "video count mismatch": 0}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["bad_samples"] == expected
     summary = json.loads((out / "summary.json").read_text())

@@ -3,7 +3,7 @@
 A small Stable Latent MoE GPT (a dense layer and an MoE layer with latent projections, a shared
 expert and 4 routed experts) gets adapters on every target. One rank saves the base weights (a
 Megatron dist checkpoint) and a random adapter; TP=2 (sequence parallel, expert TP 1), EP=2
-(with DP=2) and PP=2 runs load both through ``load_adapter`` and run one forward/backward through
+(with DP=2) and PP=2 runs, the experts at a rank of their own (--moe-rank-scaling), load both through ``load_adapter`` and run one forward/backward through
 Megatron's schedule, DDP and finalize_model_grads. Compared with the single rank: the loss, every
 LoRA gradient (gathered unsharded with ``lora_state_dict``), the adapter they save again (bitwise),
 and their whole-model dist checkpoints (LoRA tensors bitwise after loading into one rank).
@@ -30,7 +30,8 @@ BASE_INFO = {"model_config": "lora-parallel-test"}
 def _lora_config():
     from megatron_slmoe.lora.config import LoRAConfig
 
-    return LoRAConfig(rank=4, alpha=8.0, targets=TARGETS)
+    # The routed experts at a rank of their own, 4 // top-2 = 2 (scale 8 / 2; issue 42).
+    return LoRAConfig(rank=4, alpha=8.0, targets=TARGETS, moe_rank_scaling=True)
 
 
 def _config():
@@ -198,6 +199,7 @@ def test_parallel_loss_and_lora_grads_match_single_rank(runs, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_adapter_saved_in_parallel_layout_is_bitwise_the_single_rank_one(runs, layout):
     original = _read(runs["adapter"])
+    assert original["decoder.layers.1.mlp.experts.3.linear_fc1.lora_A.weight"].shape[0] == 2
     resaved_dir = runs["parallel"][layout]["adapter"]
     _assert_bitwise(_read(resaved_dir), original, f"{layout} adapter file")
     _assert_bitwise(runs["loaded"][resaved_dir], original, f"{layout} adapter loaded on 1 rank")

@@ -17,7 +17,7 @@ FAST_S, SLOW_S, STEPS = 0.01, 0.04, 6
 def _steps(threshold: float) -> dict:
     import torch
 
-    from megatron_slmoe.training.stragglers import start_step_times
+    from megatron_slmoe.training.reliability.stragglers import start_step_times
 
     times = start_step_times(threshold, torch.device("cpu"))
     grad_sync = times.timed_grad_sync(lambda: torch.distributed.all_reduce(torch.ones(1)))

@@ -52,3 +52,18 @@ def test_the_short_realistic_benchmark_writes_every_row(tmp_path):
     assert {r["variant"] for r in kernel} == {"fused", "separate"}
     assert all(r["of_dense_fwd_bwd"] > 0 for r in kernel if r["status"] == "ok")
     assert report["ratios"]["tokens_per_s_slmoe_over_peft"] > 0
+
+
+def test_a_bad_set_is_the_checkpoint_commands_one_line_and_leaves_no_folder(tmp_path):
+    """--set goes to slmoe-make-hf-checkpoint: its one line and exit code come through (they were
+    hidden in a CalledProcessError), and the run's own work folder is removed."""
+    import os
+
+    proc = subprocess.run([sys.executable, "tools/bench/realistic.py", "--quick", "--set",
+                           "vocab_size=abc", "--json", str(tmp_path / "r.json")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --preset qwen3-30b-a3b with --set: vocab_size must be an integer >= 1, got 'abc'"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -215,3 +215,39 @@ def test_the_multimodal_demo_refuses_a_folder_of_another_task_version(sandbox):
     assert proc.stderr.strip().splitlines() == [
         f"error: {demo}/base was trained on data that is gone: remove {demo} to make both again"]
     assert sorted(p.name for p in demo.iterdir()) == ["base"]
+
+
+def _launch_for_real(args, tmp_path, **env):
+    """scripts/pretrain_lora.sh with torchrun and its default restart budget, 2 processes."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("NCCL_", "HCCL_", "RDZV_", "MASTER_", "NODE_RANK", "NNODES",
+                                  "NPROC_PER_NODE", "NETWORK_PROFILE", "MAX_RESTARTS", "TORCHRUN",
+                                  "SLMOE_END_REPORT"))}
+    return subprocess.run(["bash", "scripts/pretrain_lora.sh", "--no-preflight", *args], cwd=REPO,
+                          env={**clean, "NPROC_PER_NODE": "2", "TMPDIR": str(tmp_path), **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_failure_that_repeats_ends_the_job_in_one_line(tiny_base, tmp_path):
+    """A loss gone NaN mid-run (every rank meets it at the same step; a restart would replay it)
+    under the launcher and torchrun's restart budget: the job ends at once, with one line on the
+    terminal and exit code 2, no restart, and each rank's traceback in the attempt log, not on
+    the terminal (torchrun's and the ranks' tracebacks came first, and the budget was spent)."""
+    run = tmp_path / "run"
+    proc = _launch_for_real([*SMALL, "--model-config", "tiny", "--seq-length", "64",
+                             "--global-batch-size", "4", "--micro-batch-size", "2", "--fp32",
+                             "--eval-iters", "1", "--no-tensorboard", "--base-checkpoint",
+                             str(tiny_base), "--lr", "1e30", "--output-dir", str(run)], tmp_path)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: step 2: the training loss is "), lines
+    assert "Traceback" not in proc.stdout and "Error" not in proc.stdout, proc.stdout[-3000:]
+    assert [p.name for p in (run / "attempts").iterdir() if p.name.isdigit()] == ["0"]
+    # The rank that fails first keeps its traceback; one that torchrun stops at SIGTERM may have
+    # nothing to keep (or only opened its log), never a traceback of another error.
+    logged = {p.name: p.read_text() for p in (run / "attempts").glob("rank_*.log")}
+    assert set(logged) <= {"rank_00000.log", "rank_00001.log"}, logged
+    kept = [text for text in logged.values() if text]
+    assert kept and all("Traceback" in t and "NonFiniteError" in t for t in kept), logged
+    assert "Traceback" in (run / "node0.log").read_text()  # torchrun's own, kept in the log
+    assert not list(tmp_path.glob("slmoe-end.*"))

@@ -215,3 +215,29 @@ def compare_run(expected_dir: str, actual_dir: str) -> dict[str, float]:
     model = build_model(tiny_config())
     load(model, actual_dir)
     return relative_errors({n: p.detach() for n, p in model.named_parameters()}, expected_dir)
+
+
+def tiny_attnres_model(block: int, num_layers: int, seed: int = 3):
+    """The packaged ``tiny`` model (first layer dense, the others Stable Latent MoE) with
+    ``num_layers`` layers on the Attention Residuals stream (``blocks.attention_residual_block``)
+    in the current layout, its weights random (the mixes far from uniform), in eval mode. Its
+    random weights depend on the layout: move them between layouts as a dist checkpoint."""
+    import dataclasses
+
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.model.model_file import BlocksConfig, load_model_config
+
+    base = load_model_config("tiny")
+    transformer = dict(base.transformer, num_layers=num_layers,
+                       moe_layer_freq=[0] + [1] * (num_layers - 1))
+    model_config = dataclasses.replace(base, transformer=transformer,
+                                       blocks=BlocksConfig(attention_residual_block=block))
+    model, _ = build_model_in_layout(model_config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm_weight", "layernorm.weight", "norm.weight")):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.5 if name.endswith("proj_weight") else 0.05)
+    return model.eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import torch
 from transformers.utils import logging as _transformers_logging
@@ -50,7 +51,7 @@ def _config(name: str, **overrides):
             moe_shared_expert_intermediate_size=24, moe_latent_size=16, n_group=2, topk_group=1,
             routed_scaling_factor=1.5, max_position_embeddings=64), **overrides})
     if name == "stable_latent_moe":
-        from megatron_slmoe.hf.slmoe_model import StableLatentMoeConfig
+        from megatron_slmoe.families.slmoe.modeling import StableLatentMoeConfig
 
         return StableLatentMoeConfig(**{**dict(
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2,
@@ -113,10 +114,10 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def save_chatml_tokenizer(path, **config):
-    """A byte-level BPE ``tokenizer.json`` (about 300 tokens) and a ``tokenizer_config.json`` with
-    ChatML's special tokens and template (``config`` overrides its entries) in ``path``, as a
-    checkpoint directory holds them."""
+def save_chatml_tokenizer(path, special_tokens=(), **config):
+    """A byte-level BPE ``tokenizer.json`` (about 300 tokens, then a model's ``special_tokens``)
+    and a ``tokenizer_config.json`` with ChatML's special tokens and template (``config``
+    overrides its entries) in ``path``, as a checkpoint directory holds them."""
     import json
 
     import tokenizers
@@ -129,6 +130,7 @@ def save_chatml_tokenizer(path, **config):
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(["Answer in digits. two one 2 1 nine 9 assistant user system"] * 5,
                                 trainer=trainer)
+    backend.add_special_tokens(list(special_tokens))
     path.mkdir(exist_ok=True)
     backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
@@ -215,6 +217,8 @@ def megatron_logits(model, input_ids: torch.Tensor, **forward_kwargs):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+    from megatron_slmoe.model.attention_residuals import pipeline_seq_length
+
     batch, seq = input_ids.shape
     position_ids = torch.arange(seq).expand(batch, seq)
 
@@ -232,7 +236,8 @@ def megatron_logits(model, input_ids: torch.Tensor, **forward_kwargs):
     with torch.no_grad():
         results = get_forward_backward_func()(
             forward_step_func=step, data_iterator=iter([input_ids]), model=[model],
-            num_microbatches=1, seq_length=seq, micro_batch_size=batch, forward_only=True)
+            num_microbatches=1, seq_length=pipeline_seq_length(model, seq),
+            micro_batch_size=batch, forward_only=True)
     return results[0]["logits"].float() if parallel_state.is_pipeline_last_stage() else None
 
 
@@ -460,3 +465,122 @@ def randomise_lora(model, seed: int = 0, scale: float = 0.3) -> None:
         for param in model.parameters():
             if getattr(param, "is_lora", False):
                 param.copy_(scale * torch.randn(param.shape, generator=gen))
+
+
+def imported_lora_model(hf_dir: str, lora_config, seed: int = 0):
+    """Our one-rank model of the HF checkpoint ``hf_dir`` with its weights, and ``lora_config``'s
+    LoRA (if given) random as after training."""
+    from megatron_slmoe.hf.convert import build_model_in_layout
+    from megatron_slmoe.hf.loader import load_hf_weights, open_hf_checkpoint
+    from megatron_slmoe.lora.inject import inject_lora
+
+    hf = open_hf_checkpoint(hf_dir, check_shapes=False)
+    model, _ = build_model_in_layout(hf.model_config)
+    load_hf_weights([model], hf_dir, hf)
+    if lora_config is not None:
+        inject_lora([model], lora_config)
+        randomise_lora(model, seed)
+    return model
+
+
+# --- quantised experts, as compressed-tensors writes them ----------------------------------------
+
+_EXPERT_WEIGHT = re.compile(r".*\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def pack_experts_int4(directory: str, reference_dir: str, group_size: int = 32) -> int:
+    """Rewrite the routed experts of the checkpoint in ``directory`` (one ``model.safetensors``
+    with per-expert keys) as Kimi-K2.5 ships them: compressed-tensors' ``pack-quantized`` INT4
+    (``weight_packed`` int32, ``weight_scale`` bf16 per ``group_size`` inputs, ``weight_shape``),
+    made by its own observer and compressor. ``reference_dir`` gets the same checkpoint with
+    compressed-tensors' decompression of those bytes in place of the experts (what the packed
+    checkpoint means, for transformers to load). Returns how many weights were packed."""
+    import shutil
+
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size))
+    shutil.copytree(directory, reference_dir)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    packed, decoded = {}, dict(tensors)
+    for key, weight in tensors.items():
+        if not _EXPERT_WEIGHT.match(key):
+            packed[key] = weight
+            continue
+        weight = weight.to(torch.bfloat16)
+        groups = weight.unflatten(-1, (-1, group_size))
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        compressed = PackedQuantizationCompressor.compress(
+            {"weight": weight, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+        stem = key[:-len("weight")]
+        packed.update({stem + name: tensor for name, tensor in compressed.items()})
+        decoded[key] = PackedQuantizationCompressor.decompress(compressed, scheme)["weight"].float()
+    save_file(packed, path, metadata={"format": "pt"})
+    save_file(decoded, os.path.join(reference_dir, "model.safetensors"), metadata={"format": "pt"})
+    return sum(1 for key in tensors if _EXPERT_WEIGHT.match(key))
+
+
+# --- Kimi K3: the release layout of the plain reference (tests/helpers/kimi_k3_reference.py) ------
+
+
+K3_VISION_CONFIG = dict(vt_hidden_size=16, vt_num_hidden_layers=2, vt_num_attention_heads=2,
+                        qkv_hidden_size=24, vt_intermediate_size=32, init_pos_emb_height=8,
+                        init_pos_emb_width=8, init_pos_emb_time=4, patch_size=14,
+                        merge_kernel_size=[2, 2], merge_type="sd2_tpool",
+                        mm_projector_type="patchmergerv2", norm_type="rmsnorm",
+                        pos_emb_interpolation_mode="bilinear")
+"""A tiny K3 tower (MoonViT3D and its projector) as a release's ``vision_config`` writes it."""
+
+
+def randomise_tower(module, seed: int = 0):
+    """Every weight of a tower random at its fan-in's scale, norms near 1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                fan_in = param[0].numel() if param.dim() > 1 else 1
+                param.copy_(noise / fan_in ** 0.5)
+    return module
+
+
+def k3_tower(text_model, seed=5):
+    """(tower, its MoonViT3DConfig): ``K3_VISION_CONFIG``'s tower for ``text_model``'s width,
+    random (``seed``; None: as built)."""
+    from megatron_slmoe.families.kimi_k3.vision import KimiK3Vision, MoonViT3DConfig
+
+    config = MoonViT3DConfig.from_vision_config(
+        {**K3_VISION_CONFIG, "text_hidden_size": text_model.config.hidden_size}, ValueError)
+    tower = KimiK3Vision(config)
+    return (tower if seed is None else randomise_tower(tower, seed)), config
+
+
+def save_kimi_k3(model, directory, vision=None, vision_config: dict | None = None,
+                 image_token_id: int = 100) -> str:
+    """``model`` (a ``KimiK3Reference``) as the release stores it, in ``directory``: experts MXFP4
+    (round them first with ``round_experts_to_mxfp4_`` for an exact checkpoint), fp32 tensors
+    fp32, A_log padded, the release's config.json; with ``vision`` (a ``KimiK3Vision``) its tower
+    and projector at the top level, ``vision_config`` and the placeholder id in config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tests.helpers import kimi_k3_reference as k3ref
+
+    os.makedirs(directory, exist_ok=True)
+    state = {k: v.contiguous() for k, v in k3ref.release_state_dict(model).items()}
+    config = k3ref.release_config(model.config)
+    if vision is not None:
+        state.update({k: v.detach().contiguous() for k, v in vision.state_dict().items()})
+        config.update(vision_config=vision_config, media_placeholder_token_id=image_token_id)
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(directory)

@@ -138,6 +138,8 @@ def inputs(tmp_path_factory, megatron_single_rank):
     files["cfg_type"] = _write(root / "models" / "bad_type.yaml",
                                tiny.replace("num_layers: 4", "num_layers: four"))
     files["cfg_yaml"] = _write(root / "models" / "not_yaml.yaml", "model: [\n")
+    files["cfg_no_latent"] = _write(root / "models" / "no_latent.yaml",
+                                    tiny.replace("  moe_latent_size: 32", ""))
     files["base"] = _fake_base(root / "bases" / "good")
     files["base_empty"] = root / "bases" / "empty"
     files["base_empty"].mkdir(parents=True)
@@ -180,6 +182,9 @@ def inputs(tmp_path_factory, megatron_single_rank):
     files["yaml_type"] = _write(root / "yaml" / "type.yaml", "lora: {rank: eight}\n")
     files["yaml_section"] = _write(root / "yaml" / "section.yaml", "loraa: {rank: 8}\n")
     files["yaml_broken"] = _write(root / "yaml" / "broken.yaml", "lora: {rank: [\n")
+    files["yaml_twice"] = _write(root / "yaml" / "twice.yaml", "lora:\n  rank: 8\n  rank: 16\n")
+    files["yaml_binary"] = root / "yaml" / "binary.yaml"
+    files["yaml_binary"].write_bytes(bytes(range(256)) * 4)
     files["images_cut"], files["images_bad"] = _image_text_datasets(root / "images")
     files["a_file"] = _write(root / "files" / "a-file", "not a directory")
     return files
@@ -221,6 +226,14 @@ ENTRY_POINT_CASES = [
     ("--lora-alpha", ["--lora-alpha", "0"], "--lora-alpha must be a positive finite number"),
     ("--lora-dropout", ["--lora-dropout", "1.0"], "--lora-dropout must be a number"),
     ("--lora-target-modules", ["--lora-target-modules", "qkv"], "unknown target 'qkv'"),
+    # targets that name nothing in the model: found on the meta device before start-up
+    ("--lora-target-modules", ["--base-checkpoint", "{base}", "--lora-target-modules",
+                               "vision_attention", "projector"],
+     "--lora-target-modules vision_attention projector: lora target 'vision_attention' matches "
+     "nothing; targetable: linear_qkv, linear_proj, linear_fc1"),
+    ("--lora-target-modules", ["--base-checkpoint", "{base}", "--model-config", "{cfg_no_latent}",
+                               "--lora-target-modules", "linear_qkv", "latent"],
+     "lora target 'latent' matches nothing; targetable: linear_qkv"),
     ("--model-config", ["--model-config", "nosuch"], "no model config named 'nosuch'"),
     ("--seq-length", ["--seq-length", "100000"], "--seq-length 100000 exceeds the model's"),
     ("--train-iters", ["--train-iters", "0"], "--train-iters must be positive"),
@@ -228,7 +241,7 @@ ENTRY_POINT_CASES = [
     ("--tensor-model-parallel-size", ["--tensor-model-parallel-size", "3"],
      "world size 1 is not divisible by --tensor-model-parallel-size 3"),
     ("--global-batch-size", ["--global-batch-size", "6"],
-     "--global-batch-size 6 is not a multiple"),
+     "--global-batch-size 6 is not divisible by --micro-batch-size"),
     ("--heartbeat-timeout", ["--heartbeat-timeout", "-1"], "--heartbeat-timeout must be >= 0"),
     ("--heartbeat-timeout", ["--heartbeat-timeout", "1800"],
      "--heartbeat-timeout 1800 s must be below"),
@@ -258,6 +271,9 @@ ENTRY_POINT_CASES = [
     ("--config", ["--config", "{yaml_type}"], "lora.rank: --lora-rank must be int"),
     ("--config", ["--config", "{yaml_section}"], "unknown section 'loraa'"),
     ("--config", ["--config", "{yaml_broken}"], "not valid YAML"),
+    ("--config", ["--config", "{yaml_twice}"],
+     "--config {yaml_twice}: not valid YAML at line 3, column 3: key 'rank' given twice"),
+    ("--config", ["--config", "{yaml_binary}"], "--config {yaml_binary}: not a text file"),
     # model configs
     ("model config", ["--model-config", "{cfg_unknown}"], "unknown key 'extra'"),
     ("model config", ["--model-config", "{cfg_type}"], "{cfg_type}"),
@@ -429,5 +445,90 @@ def test_a_disk_too_full_for_the_checkpoints_is_refused_before_start(inputs, tmp
                  "--validate-only"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "its file system has 0.00 GiB free; the run's checkpoints need about" in err, err
+    assert "its file system has 4.00 KiB free; the run's checkpoints need about" in err, err
+    assert "need about 0.00 GiB" not in err  # a figure with enough digits (it read 0.00 GiB)
     assert "--keep-last 2" in err and not (tmp_path / "out").exists()
+
+
+def _os_error(code: int, path: str) -> OSError:
+    """The error Python raises for a failed open() or write() of ``path``."""
+    return OSError(code, os.strerror(code), path)
+
+
+@pytest.mark.parametrize("err, needle", [
+    ("config", "--lora-rank must be"),
+    ("erofs-out", "cannot write {out}/metrics.jsonl: Read-only file system (the output directory"),
+    ("eacces-out", "cannot write {out}/checkpoints/iter_0000004.tmp: Permission denied"),
+    ("enospc", "no space left on the device of {out}/metrics.jsonl (the newest complete"),
+    ("wrapped", "no space left on the device of {out}/checkpoints"),
+    ("object-gone", "s3://bucket/data/shard-000001.tar"),
+    ("nan", "step 3: the training loss is nan"),
+    ("gloo", None), ("oom", None), ("timeout", None),
+])
+def test_a_failure_that_repeats_is_told_from_one_a_restart_may_cure(err, needle, tmp_path):
+    """One classification of every way a run ends: the user's mistakes (one base class), a loss
+    gone NaN and an output that cannot be written end the job in one line; a lost peer, an
+    out-of-memory error or a store that timed out keep the restart budget."""
+    import errno
+
+    from megatron_slmoe.config.errors import ConfigError
+    from megatron_slmoe.storage.errors import ObjectNotFoundError, StorageTimeoutError
+    from megatron_slmoe.training.engine import NonFiniteError
+    from megatron_slmoe.training.reliability.failures import failure_that_repeats
+
+    out = str(tmp_path / "run")
+
+    def wrapped():
+        try:
+            raise _os_error(errno.ENOSPC, f"{out}/checkpoints/iter_0000002.tmp/__0_0.distcp")
+        except OSError as cause:
+            try:
+                raise RuntimeError("CheckpointingException: save failed") from cause
+            except RuntimeError as outer:
+                return outer
+
+    made = {"config": lambda: ConfigError("--lora-rank must be an integer in 1..256"),
+            "erofs-out": lambda: _os_error(errno.EROFS, f"{out}/metrics.jsonl"),
+            "eacces-out": lambda: _os_error(errno.EACCES, f"{out}/checkpoints/iter_0000004.tmp"),
+            "enospc": lambda: _os_error(errno.ENOSPC, f"{out}/metrics.jsonl"),
+            "wrapped": wrapped,
+            "object-gone": lambda: ObjectNotFoundError(
+                "no object s3://bucket/data/shard-000001.tar"),
+            "nan": lambda: NonFiniteError("step 3: the training loss is nan; the run stops"),
+            "gloo": lambda: RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234"),
+            "oom": lambda: RuntimeError("CUDA out of memory"),
+            "timeout": lambda: StorageTimeoutError("s3://bucket/x: no answer in 300 s")}[err]()
+    message = failure_that_repeats(made, out)
+    if needle is None:
+        assert message is None
+    else:
+        assert message is not None and needle.format(out=out) in message and "\n" not in message
+
+
+def test_a_malformed_jsonl_on_object_storage_is_refused_before_start(inputs, tmp_path, capsys,
+                                                                     monkeypatch):
+    """A stored instruction file is checked as a local one is, before torchrun (through the node
+    cache, where the run reads it), naming its URL (it was refused only after start-up, on every
+    rank of every restart)."""
+    from megatron_slmoe.training.finetune import main
+    from tests.helpers.s3_server import S3TestServer
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with S3TestServer() as server:
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        client = server.client()
+        client.create_bucket(Bucket="data")
+        client.put_object(Bucket="data", Key="bad.jsonl",
+                          Body=inputs["bad_data"].read_bytes())
+        client.put_object(Bucket="data", Key="good.jsonl",
+                          Body=inputs["good_data"].read_bytes())
+        code = main(["--base-checkpoint", str(inputs["base"]), "--train-data",
+                     "s3://data/bad.jsonl", "--valid-data", "s3://data/good.jsonl",
+                     "--cache-dir", str(tmp_path / "cache"), "--output-dir",
+                     str(tmp_path / "out"), "--validate-only"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: --train-data s3://data/bad.jsonl: 7 of 10 records are "
+                          "malformed") and "the first: s3://data/bad.jsonl:4" in err, err
+    assert str(tmp_path / "cache") not in err and not (tmp_path / "out").exists()

@@ -22,7 +22,6 @@ def test_torch_names():
     assert len(leaves) == 2
     assert issubclass(compat.TorchDispatchMode, object) and hasattr(compat.TorchDispatchMode,
                                                                     "__torch_dispatch__")
-    assert callable(compat.default_store)
 
 
 def test_uncompiled_returns_the_function_torch_compile_wraps():

@@ -48,7 +48,11 @@ def test_tiny_census_equals_real_model_and_config(megatron_single_rank):
     census = count_parameters(mc)
     real = build_gpt_model(mc, mc.transformer_config(use_cpu_initialization=True))
     assert not any(p.is_meta for p in real.parameters())
-    real_total = sum(p.numel() for p in real.parameters())
+    # Parameters and the routers' correction biases (buffers a checkpoint holds as weights).
+    real_total = sum(p.numel() for p in real.parameters()) + sum(
+        b.numel() for n, b in real.named_buffers() if n.endswith("router.expert_bias"))
+    assert census["breakdown"]["router_bias"] == _moe_layers(dict(mc.transformer)) * dict(
+        mc.transformer)["num_moe_experts"]
     assert census["total_params"] == real_total
     assert sum(census["breakdown"].values()) == real_total
 

@@ -72,7 +72,7 @@ def test_answers_in_prompt_order_equal_a_plain_argmax_loop(saved, capsys):
     from megatron_slmoe.commands.generate import main, read_prompts
     from megatron_slmoe.data.assets import asset_path
     from megatron_slmoe.data.tokenizer import load_tokenizer
-    from megatron_slmoe.training.evaluation import request_for
+    from megatron_slmoe.inference.answers import request_for
 
     root, model = saved
     out = root / "answers.jsonl"
@@ -151,3 +151,29 @@ def test_a_binary_prompts_file_is_one_line(saved, tmp_path, capsys):
                  "--output", str(tmp_path / "o.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "prompts.bin:1: not UTF-8 text" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_prompt_with_the_image_placeholder_and_no_image_is_refused(tmp_path, capsys):
+    """A Kimi-K2.5 checkpoint and a text prompt holding its <|media_pad|>: refused in one line,
+    as training refuses the same text (it answered garbage, exit 0)."""
+    from megatron_slmoe.commands.generate import main
+    from tests.helpers import hf_models
+
+    hf_dir = tmp_path / "kimi"
+    hf_dir.mkdir()
+    hf_models.save_chatml_tokenizer(hf_dir, special_tokens=["<|media_pad|>"])
+    import tokenizers
+
+    pad = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json")).token_to_id(
+        "<|media_pad|>")
+    hf_models.save(hf_models.build_kimi(text_overrides=dict(vocab_size=320),
+                                        image_token_id=pad), str(hf_dir))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is this? <|media_pad|>"}) + "\n")
+    assert main(["--hf-checkpoint", str(hf_dir), "--prompts", str(prompts), "--output",
+                 str(tmp_path / "answers.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"error: prompt 0 holds the model's image placeholder <|media_pad|> (token id {pad}) and "
+        f"no image goes with it (slmoe-generate answers text prompts): remove it from the prompt"]
+    assert not (tmp_path / "answers.jsonl").exists()

@@ -1,28 +1,32 @@
-"""The heartbeat's diagnosis, on a real key-value store (torch's HashStore) with each rank's
-publisher running: a rank whose heartbeat stopped is named; otherwise the ranks behind the others;
+"""The heartbeat's diagnosis, on its real files (one per rank, in a temporary directory) with each
+rank's publisher running: a rank whose heartbeat stopped is named; otherwise the ranks behind the others;
 otherwise all of them; and with every rank's own watchdog thread (the real arrangement: it
 publishes and diagnoses), only the stopped rank is named, whichever ranks diagnose at once.
+A finished step is named as finished even when the rank stops before its next heartbeat; an
+earlier attempt's files are not read as a live rank; a stopped process is ended with its group.
 (Stopping a real job is tests/e2e/test_resilience.py.)"""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
 import time
 
 import pytest
-import torch
 
-from megatron_slmoe.training.heartbeat import Heartbeat
+from megatron_slmoe.training.reliability.heartbeat import Board, Heartbeat, end_process
 
 
 @pytest.fixture
-def ranks():
-    """Three ranks' heartbeats on one store; ``publish(beat)`` keeps a rank's heartbeat going
+def ranks(tmp_path):
+    """Three ranks' heartbeats on one board; ``publish(beat)`` keeps a rank's heartbeat going
     (its publishing, without the watchdog that would end this process)."""
-    store = torch.distributed.HashStore()
+    board = Board(str(tmp_path), "attempt")
     # The diagnosis waits 3 intervals for a live rank's heartbeat to move: long enough that a
     # loaded machine (the publishers below are threads of this process) cannot fake a stop.
-    beats = [Heartbeat(10.0, store, rank, 3, f"node{rank // 2}", interval_s=0.25)
+    beats = [Heartbeat(10.0, board, rank, 3, f"node{rank // 2}", interval_s=0.25)
              for rank in range(3)]
     for beat in beats:
         beat.start()
@@ -84,7 +88,7 @@ def test_all_ranks_stuck_at_one_step(ranks):
                        "(nodes node0, node1) are stuck after step 4")
 
 
-def test_only_the_stopped_rank_is_named_by_the_ranks_that_diagnose(monkeypatch):
+def test_only_the_stopped_rank_is_named_by_the_ranks_that_diagnose(monkeypatch, tmp_path):
     """Each rank's one thread publishes and watches, as in a job. Rank 2 stops (SIGSTOP stops
     its thread); ranks 0 and 1 stop finishing steps (they wait for rank 2 in a collective), so
     both diagnose, each pausing its watch meanwhile: neither may name itself or the other."""
@@ -95,8 +99,8 @@ def test_only_the_stopped_rank_is_named_by_the_ranks_that_diagnose(monkeypatch):
         self._stop.set()
 
     monkeypatch.setattr(Heartbeat, "_stop_job", record)
-    store = torch.distributed.HashStore()
-    beats = [Heartbeat(2.5, store, rank, 3, f"node{rank}", interval_s=0.25) for rank in range(3)]
+    board = Board(str(tmp_path), "attempt")
+    beats = [Heartbeat(2.5, board, rank, 3, f"node{rank}", interval_s=0.25) for rank in range(3)]
     for beat in beats:
         beat.start()
     for beat in beats:
@@ -113,3 +117,50 @@ def test_only_the_stopped_rank_is_named_by_the_ranks_that_diagnose(monkeypatch):
     for message, culprits in reports.values():
         assert culprits == [2], message
         assert message.startswith("rank 2 on node node2") and "rank 0" not in message
+
+
+def test_the_step_named_is_the_last_one_the_stopped_rank_finished(tmp_path):
+    """A rank stopped right after a step is named with that step, not with the one its previous
+    heartbeat carried (the issue: "the last step it finished is 0" after step 4): a finished
+    step is published at once."""
+    board = Board(str(tmp_path), "attempt")
+    watcher = Heartbeat(10.0, board, 0, 2, "node0", interval_s=0.25)
+    stopped = Heartbeat(10.0, board, 1, 2, "node0", interval_s=60)  # its next beat: never
+    for beat in (watcher, stopped):
+        beat.start()
+    for step in range(1, 5):
+        stopped.progress(step)
+    watcher.progress(4)
+    watcher._progress_at = time.monotonic() - 12
+    message, culprits = watcher._diagnose(time.monotonic())
+    assert [c.rank for c in culprits] == [1], message
+    assert message.endswith("the last step it finished is 4"), message
+
+
+def test_an_earlier_attempts_files_are_not_a_live_rank(tmp_path):
+    """A restart reuses the folder: what the previous attempt's ranks left there is not read
+    as this attempt's heartbeat, and the one-message claim is per attempt."""
+    old = Board(str(tmp_path), "old")
+    old.publish(0, {"node": "n", "pid": 1, "seq": 9, "step": 3})
+    assert old.read([0])[0].step == 3
+    assert old.claim_report() and not old.claim_report()
+    new = Board(str(tmp_path), "new")
+    assert new.read([0, 1]) == [None, None]
+    new.forget_earlier_reports()
+    assert new.claim_report() and not new.claim_report()
+    assert [p.name for p in tmp_path.glob("reported-*")] == ["reported-new"]
+
+
+def test_a_stopped_process_is_ended_with_its_group():
+    """A stopped process cannot act on SIGTERM; its children (a checkpoint writer) may be stopped
+    with it: SIGKILL to its group ends them all."""
+    proc = subprocess.Popen(["bash", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    child = int(proc.stdout.readline())
+    os.killpg(proc.pid, signal.SIGSTOP)
+    end_process(proc.pid)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.05)  # reaped by init once killed
+    assert not os.path.exists(f"/proc/{child}") or "Z" in open(f"/proc/{child}/stat").read()

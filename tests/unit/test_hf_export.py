@@ -174,7 +174,7 @@ def test_per_expert_layout_refuses_what_peft_would_misread(trained, tmp_path, ca
         assert _convert("--adapter", root / "adapter", "--hf-checkpoint", root / "hf",
                         "--output", out, "--expert-layout", "per-expert") == 2
         err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and message in err and "--expert-layout fused" in err, err
+        assert err.count("\n") == 0 and message in err and "--export-hf-layout fused" in err, err
         assert not out.exists()
     from megatron_slmoe.hf.peft_export import export_peft_adapter
 
@@ -285,3 +285,30 @@ def test_run_start_refuses_a_busy_export_dir_and_a_peft_init_without_its_base(tm
                              description="", world_size=1).run
     with pytest.raises(ConfigError, match="PEFT adapter; it needs --hf-checkpoint"):
         _check_paths(run)
+
+
+def test_an_adapter_of_another_model_is_refused_as_such(trained, tmp_path, capsys):
+    """An adapter that records the model it was trained on, exported onto another checkpoint:
+    'trained on another model' (as generate and --adapter-init say), not a weight the base lacks;
+    onto its own, it exports."""
+    import shutil
+
+    from megatron_slmoe.hf import open_hf_checkpoint
+    from megatron_slmoe.lora.adapter import adapter_config_json, base_identity, read_adapter_config
+
+    root, _, _ = trained("qwen3_moe", "fused")
+    adapter = tmp_path / "adapter"
+    shutil.copytree(root / "adapter", adapter)
+    lora_config, _ = read_adapter_config(str(adapter))
+    (adapter / "adapter_config.json").write_text(adapter_config_json(
+        lora_config, base_identity(open_hf_checkpoint(str(root / "hf")).model_config)))
+    other = tmp_path / "deepseek"
+    hf_models.save_family("deepseek_v3", str(other))
+    for merged in ([], ["--merged"]):
+        assert _convert(*merged, "--adapter", adapter, "--hf-checkpoint", other, "--output",
+                        tmp_path / "out") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--adapter {adapter} was trained on another model" in err
+        assert not (tmp_path / "out").exists()
+    assert _convert("--adapter", adapter, "--hf-checkpoint", root / "hf", "--output",
+                    tmp_path / "own", "--expert-layout", "fused") == 0

@@ -112,7 +112,7 @@ def _shard_boxes(shape, tp):
 def test_pieces_export_what_they_import(kind_name):
     """Filling TP shards from HF tensors and writing them back gives the HF tensors bitwise, and
     the Megatron tensor has the layout Megatron documents (q heads of a group, then k, then v)."""
-    from megatron_slmoe.hf.mappings.kinds import Direct, GroupedQKV, PerExpert, Stack
+    from megatron_slmoe.families.kinds import Direct, GroupedQKV, PerExpert, Stack
 
     gen = torch.Generator().manual_seed(0)
     if kind_name == "qkv":

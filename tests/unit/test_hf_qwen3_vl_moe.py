@@ -144,6 +144,9 @@ def test_image_placeholders_that_do_not_match_the_images_are_one_line(tmp_path):
         with pytest.raises(ImageTokenMismatch) as err:
             model.positions(bad_ids, bad_grids)
         assert len(str(err.value).splitlines()) == 1
+    with pytest.raises(ImageTokenMismatch, match="text data must not contain the model's image "
+                                                 "placeholder .remove it from the text"):
+        model.positions(ids, None)  # text alone, holding placeholders: what to fix
     shorter = ids.clone()
     shorter[0, 4] = 0  # splits the first image's run in two
     with pytest.raises(ImageTokenMismatch, match="runs of"):

@@ -20,6 +20,7 @@ from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.image import ImagePreprocessConfig, decode_image, preprocess_image
 from megatron_slmoe.data.image_inputs import ImageTokens, TiledImages
 from megatron_slmoe.data.image_text import (
+    REASONS,
     ImageTextDataset,
     collate_image_text,
     reduce_skip_counts,
@@ -259,7 +260,7 @@ def test_each_bad_case_is_counted_named_and_skipped(bad_shards, tok, caplog):
     for i in range(dataset.records):
         j = next(k for k in sorted(good) + [min(good) + 11] if k >= i) % 11
         assert torch.equal(samples[i]["tokens"], samples[j]["tokens"]), i  # the next good record
-    assert dataset.stats.skipped == {**dict.fromkeys(EXPECTED_SKIPS, 0), **EXPECTED_SKIPS}
+    assert dataset.stats.skipped == {**dict.fromkeys(REASONS, 0), **EXPECTED_SKIPS}
     messages = [r.getMessage() for r in caplog.records]
     for shard, key, reason in [("train/a.tar", "corrupt", "undecodable image"),
                                ("train/a.tar", "truncated", "undecodable image"),
@@ -280,7 +281,7 @@ def test_skip_counts_reduce_over_data_parallel_ranks(bad_shards, tok, megatron_s
     again = _dataset(bad_shards, tok)  # meets the same bad records: counted once
     again[1]
     assert reduce_skip_counts(dataset.stats, again.stats) == {
-        **dict.fromkeys(EXPECTED_SKIPS, 0), **EXPECTED_SKIPS}
+        **dict.fromkeys(REASONS, 0), **EXPECTED_SKIPS}
 
 
 def test_all_bad_records_is_one_error(tmp_path, tok):
@@ -362,3 +363,16 @@ def test_a_dataset_without_a_usable_sample_is_refused(llava_folder, tmp_path, to
     with pytest.raises(DataError, match=r"\[train\]: no usable sample: every one of its 4 "
                                         r"records is bad \(.*undecodable image.*\)"):
         _dataset(out, tok)
+
+
+@pytest.mark.parametrize("shown", [0, 2])
+def test_the_more_skipped_line_comes_only_after_skips_were_shown(bad_shards, tok, caplog, shown):
+    """'more bad records skipped (not shown ...)' follows the ``max_warnings`` lines shown; with
+    none shown it is not printed (it came first, with nothing shown before it)."""
+    caplog.set_level(logging.WARNING)
+    dataset = _dataset(bad_shards, tok, max_warnings=shown)
+    for i in range(dataset.records):
+        dataset[i]
+    messages = [r.getMessage() for r in caplog.records]
+    more = [i for i, m in enumerate(messages) if "more bad records skipped" in m]
+    assert more == ([shown] if shown else []) and len(messages) == shown + bool(shown)

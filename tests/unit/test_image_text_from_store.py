@@ -27,7 +27,8 @@ from megatron_slmoe.data.tokenizer import load_tokenizer
 from megatron_slmoe.storage import Storage
 from megatron_slmoe.storage.config import StorageConfig
 from megatron_slmoe.storage.errors import ObjectChangedError, ObjectNotFoundError
-from megatron_slmoe.training.tasks.image_text import node_view
+from megatron_slmoe.training.reliability.failures import failure_that_repeats
+from megatron_slmoe.data.image_text import node_view
 from tests.helpers.s3_server import S3TestServer
 
 BUCKET = "image-text"
@@ -141,7 +142,10 @@ def test_a_shard_changed_on_the_store_during_the_run_is_a_storage_error(server, 
     error = ObjectNotFoundError if change == "deleted" else ObjectChangedError
     with pytest.raises(error) as err:
         dataset[1000]
-    assert "shard-000001.tar" in str(err.value) and "\n" not in str(err.value)
+    assert f"s3://{BUCKET}/{key}" in str(err.value) and "\n" not in str(err.value)
+    assert local not in str(err.value)  # the URL the user gave, not the node cache's copy
+    # A failure that repeats: the job ends in this line instead of being restarted.
+    assert failure_that_repeats(err.value, "run") == str(err.value)
 
 
 def test_a_truncated_shard_on_the_store_is_refused_without_downloading_it(server, shapes,
@@ -155,7 +159,9 @@ def test_a_truncated_shard_on_the_store_is_refused_without_downloading_it(server
         client.put_object(Bucket=BUCKET, Key=prefix + name, Body=body)
     server.reset_counts()
     local, stored = node_view(storage, f"s3://{BUCKET}/{prefix}")
-    with pytest.raises(DataError, match="shard-000000.tar is truncated"):
+    with pytest.raises(DataError) as err:
         _dataset(local, stored=stored, split="val")
+    assert str(err.value).startswith(f"s3://{BUCKET}/damaged: shard val/shard-000000.tar is "
+                                     f"truncated")
     assert server.requests("GET", f"/{BUCKET}/{prefix}val/shard-000000.tar") == 0
     assert not os.path.exists(os.path.join(local, "val", "shard-000000.tar"))

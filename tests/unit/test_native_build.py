@@ -98,7 +98,8 @@ import sys
 sys.modules["megatron_slmoe._C"] = None  # makes the import raise ImportError
 import torch
 from megatron_slmoe.ops import choose_backend, lora_grouped_linear, native_extension_error, native_kernels
-assert native_kernels() == {"extension": False, "lora_grouped_linear": [], "implementations": {}}, native_kernels()
+assert native_kernels() == {"extension": False, "lora_grouped_linear": [], "lora_grouped_linear_packed": [],
+                            "implementations": {}}, native_kernels()
 assert "megatron_slmoe._C" in native_extension_error()
 assert choose_backend("lora_grouped_linear", "cpu") == "reference"
 y = lora_grouped_linear(torch.ones(3, 2), torch.ones(2, 4, 2), torch.ones(2, 1, 2), torch.ones(2, 4, 1),

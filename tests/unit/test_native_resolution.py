@@ -133,3 +133,68 @@ def test_placeholders_become_one_token_per_merged_patch(reference):
     assert targets == [0] * 5 + [1] + [0] * 6 + [1]
     with pytest.raises(ImageCountMismatch, match="1 image placeholder"):
         images.expand([1, 7, 2], [0, 0, 1], pixels)
+
+
+KIMI_PROCESSOR = {"image_processor_type": "Kimi_K25ImageProcessor", "patch_size": 14,
+                  "merge_size": 2, "max_patches": 16384,
+                  "size": {"max_height": 512, "max_width": 512}}
+QWEN_PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16,
+                  "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 4096,
+                  "max_pixels": 65536, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+
+
+def _checkpoint_config(family: str, directory):
+    """A checkpoint folder's config.json (a tiny model of the family: Kimi-K2.5's tower cuts
+    14-pixel patches merged 2x2, Qwen3-VL's 16-pixel ones merged 2x2) and its family."""
+    from megatron_slmoe.families import family_for
+    from tests.helpers import hf_models
+
+    config = (hf_models.kimi_config() if family == "kimi" else
+              hf_models.build_qwen3_vl_moe().config)
+    config.architectures = [{"kimi": "Kimi_K25ForConditionalGeneration",
+                             "qwen": "Qwen3VLMoeForConditionalGeneration"}[family]]
+    config.save_pretrained(str(directory))
+    return family_for(config.to_dict(), "config.json")
+
+
+@pytest.mark.parametrize("family, change, needle", [
+    ("kimi", {}, None),
+    ("kimi", {"merge_size": 3}, "merge_size 3 does not fit the checkpoint's tower (merge_size 2"),
+    ("kimi", {"patch_size": 16}, "patch_size 16 does not fit the checkpoint's tower (patch_size "
+                                 "14"),  # this one trained, on wrongly cut images
+    ("qwen", {}, None),
+    ("qwen", {"patch_size": 14}, "patch_size 14 does not fit the checkpoint's tower (patch_size "
+                                 "16"),
+])
+def test_an_image_processor_that_disagrees_with_its_tower_is_refused(tmp_path, family, change,
+                                                                     needle):
+    """The checkpoint's preprocessor_config.json against its config.json's tower, when the run
+    takes its image input (before start-up): one line naming the file and the setting (a merge
+    of 3 failed inside the tower, 'index 8 is out of bounds'; Qwen's 14-pixel patches in a
+    reshape)."""
+    fam = _checkpoint_config(family, tmp_path)
+    path = tmp_path / "preprocessor_config.json"
+    path.write_text(json.dumps({**(KIMI_PROCESSOR if family == "kimi" else QWEN_PROCESSOR),
+                                **change}))
+    if needle is None:
+        assert fam.image_patches(str(path)).tokens_per_merge == 4
+        return
+    with pytest.raises(DataError) as err:
+        fam.image_patches(str(path))
+    assert str(err.value).startswith(f"{path}: {needle}") and "\n" not in str(err.value)
+
+
+def test_an_image_qwens_processor_refuses_is_a_bad_sample(tmp_path):
+    """A 3x900 image (aspect ratio 300, over Qwen2-VL's 200): an undecodable image, which the
+    dataset counts and skips (it was an exception)."""
+    from megatron_slmoe.data.image import ImageDecodeError
+    from megatron_slmoe.families.qwen3_vl_moe.processor import Qwen2VLPatches
+
+    path = tmp_path / "preprocessor_config.json"
+    path.write_text(json.dumps(QWEN_PROCESSOR))
+    images = NativeResolutionImages(Qwen2VLPatches.from_preprocessor_config(str(path)),
+                                    "<|image_pad|>", 7, "<|image_pad|>")
+    png = io.BytesIO()
+    Image.new("RGB", (3, 900), (10, 200, 10)).save(png, format="PNG")
+    with pytest.raises(ImageDecodeError, match="refuses the 3x900 image: absolute aspect ratio"):
+        images.pixels([png.getvalue()])

@@ -68,7 +68,7 @@ def test_a_fused_softmax_that_would_drop_the_mask_is_refused(tmp_path):
 
     from megatron_slmoe.training.cli import parse_command_line
     from megatron_slmoe.config.errors import ConfigError
-    from megatron_slmoe.training.inputs import check_inputs
+    from megatron_slmoe.training.inputs import prepare_run
 
     import megatron_slmoe
 
@@ -79,6 +79,6 @@ def test_a_fused_softmax_that_would_drop_the_mask_is_refused(tmp_path):
     run = parse_command_line(["--model-config", str(path), "--finetune-mode", "full",
                               "--seq-length", "15"], prog="t", description="", world_size=1).run
     with pytest.raises(ConfigError, match="masked_softmax_fusion: true would drop the attention"):
-        check_inputs(run, 1, megatron_slmoe.PLATFORM)
+        prepare_run(run, 1, megatron_slmoe.PLATFORM)
     pretrain = run.replace("data", format="pretrain")
-    check_inputs(pretrain, 1, megatron_slmoe.PLATFORM)  # one causal mask: nothing to drop
+    prepare_run(pretrain, 1, megatron_slmoe.PLATFORM)  # one causal mask: nothing to drop

@@ -5,6 +5,7 @@ start-up check, and one-line bad input."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,10 +103,11 @@ def test_census_of_hf_shaped_configs_equals_meta_census(megatron_single_rank, tm
 
 def test_flagship_weights_are_5p6_tb_in_bf16():
     total = census(load_shape("flagship_2p8t"))["total_params"]
-    assert total == 2_802_090_168_320
+    assert total == 2_802_090_168_320 + 55 * 896  # the routers' correction biases counted
     result = plan(load_shape("flagship_2p8t"), DEVICES["h200"], 256)
     norms = census(load_shape("flagship_2p8t"))["breakdown"]["norms"]
-    assert result.weights_bytes_total == 2 * (total - norms) + 4 * norms
+    fp32 = norms + 55 * 896
+    assert result.weights_bytes_total == 2 * (total - fp32) + 4 * fp32
     assert 5.55e12 < result.weights_bytes_total < 5.65e12
 
 
@@ -124,12 +126,13 @@ def test_static_parts_by_hand_tiny_ep2():
     assert stage.optimizer == 8 * (dense + expert)  # fp32: Adam's two moments
     # Base weights: everything but half the routed experts; 2 x 8 fp32 router buffers per layer.
     total = census(shape)["total_params"]
-    assert stage.weights == 4 * (total - 73728 // 2) + 3 * 2 * 8 * 4
+    # (The census's router biases are those buffers.)
+    assert stage.weights == 4 * (total - 73728 // 2 - 3 * 8) + 3 * 2 * 8 * 4
     distopt = estimate_memory(shape, s.replace(distributed_optimizer=True), CPU).stages[0]
     assert distopt.optimizer == 8 * dense // 2 + 8 * expert // 1  # dp 2; expert dp 2*1/2 = 1
     bf16 = estimate_memory(shape, s.replace(dtype="bf16"), CPU).stages[0]
     assert bf16.optimizer == 12 * (dense + expert)  # fp32 main copy + Adam
-    assert bf16.weights_by_dtype == {"bf16": 2 * (total - 73728 // 2 - 576),
+    assert bf16.weights_by_dtype == {"bf16": 2 * (total - 73728 // 2 - 576 - 3 * 8),
                                      "fp32": 4 * 576 + 3 * 2 * 8 * 4}
 
 
@@ -263,6 +266,14 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
      "--lora-rank"),
     (["--model-config", "tiny", "--num-devices", "8", "--device", "tpu"], "--device"),
     (["--model-config", "tiny"], "--num-devices"),
+    # what the model and the machine can tell (the plan went ahead: "408 of 408 fit")
+    (["--model-config", "tiny", "--num-devices", "8", "--device", "h100", "--lora-target-modules",
+      "linear_qkv", "vision_attention", "projector"],
+     "--lora-target-modules linear_qkv vision_attention projector: 'vision_attention' matches "
+     "nothing in --model-config tiny; targetable: linear_qkv, linear_proj, linear_fc1, "
+     "linear_fc2, shared_experts, router, latent"),
+    (["--model-config", "tiny", "--num-devices", "8", "--device", "h100", "--devices-per-node",
+      "3"], "--num-devices 8 is not a whole number of nodes of 3 devices (--devices-per-node)"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(capsys, argv, expected):
     assert plan_main(argv) == 2
@@ -292,3 +303,31 @@ def test_zero_stages_shard_what_they_name():
     assert stages["zero3"].lora_params < stages["zero2"].lora_params
     gather = zero3_gather_bytes(shape, base.replace(sharding="optim_grads_params"))
     assert gather > 0 and stages["zero3"].transient >= gather
+
+
+@pytest.mark.parametrize("dropped", ["", "  moe_latent_size: 32",
+                                     "  moe_shared_expert_intermediate_size: 64"])
+def test_the_planners_lora_targets_are_those_of_the_built_model(dropped, tmp_path,
+                                                                 megatron_single_rank):
+    """The targets a model config offers the planner (ModelShape.lora_targets) are those that
+    match a module of the model built from it (lora.targets, on the meta device)."""
+    from megatron_slmoe.lora.config import LoRAConfig
+    from megatron_slmoe.lora.inject import check_targets
+    from megatron_slmoe.lora.targets import TARGETS, LoRATargetError
+    from megatron_slmoe.model.census import build_meta_model
+    from megatron_slmoe.model.model_file import load_model_config
+    from megatron_slmoe.plan.model_shape import ModelShape
+
+    tiny = Path(__file__).resolve().parents[2] / "megatron_slmoe/model/configs/tiny.yaml"
+    path = tmp_path / "model.yaml"
+    path.write_text(tiny.read_text().replace(dropped, "") if dropped else tiny.read_text())
+    config = load_model_config(str(path))
+    model = build_meta_model(config)
+    matched = []
+    for target in TARGETS:
+        try:
+            check_targets([model], LoRAConfig(targets=[target]))
+            matched.append(target)
+        except LoRATargetError:
+            pass
+    assert ModelShape.from_config(config).lora_targets == tuple(matched)

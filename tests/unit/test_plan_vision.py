@@ -75,12 +75,13 @@ def test_first_stage_carries_the_vision_tower():
 
 def test_image_text_run_settings_name_the_tower():
     from megatron_slmoe.training.cli import build_run_config
+    from megatron_slmoe.training.inputs import run_settings
 
     run = build_run_config({"data": {"task": "image-text"},
                             "vision": {"num_layers": 3, "num_attention_heads": 1}})
-    settings = RunSettings.from_run_config(run, world_size=2, dtype="fp32")
+    settings = run_settings(run, world_size=2, dtype="fp32")
     assert settings.vision.layers == 3 and settings.vision.patches == 4
-    text = RunSettings.from_run_config(build_run_config({}), world_size=2, dtype="fp32")
+    text = run_settings(build_run_config({}), world_size=2, dtype="fp32")
     assert text.vision is None
     assert settings.layout_error(load_shape("tiny")) is None
     assert text.replace(tp=2).layout_error(load_shape("tiny")) is None
@@ -189,7 +190,7 @@ def test_hf_tower_activations_equal_what_autograd_saves(megatron_single_rank, va
     in bf16, 2 bytes less each."""
     import torch
 
-    from megatron_slmoe.hf.kimi_k25 import KimiK25Vision
+    from megatron_slmoe.families.kimi_k25.vision import KimiK25Vision
     from megatron_slmoe.lora.config import LoRAConfig
     from megatron_slmoe.lora.inject import inject_lora
     from megatron_slmoe.plan.vision import ReplicatedTower, tower_activations

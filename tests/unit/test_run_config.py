@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NON_DEFAULT = {
     "model": {"config": "small", "base_checkpoint": "base/", "hf_checkpoint": None,
               "hf_shape_check": False, "hf_unmap_mib": 16, "adapter_init": "adapter/",
-              "finetune_mode": "lora", "precision": "bf16"},
+              "finetune_mode": "lora", "precision": "bf16",
+              "expert_weights": "dequantize"},
     "parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                  "expert_model_parallel_size": 4, "use_distributed_optimizer": True,
                  "distributed_timeout_minutes": 7, "recompute_granularity": "selective",
@@ -28,7 +29,8 @@ NON_DEFAULT = {
     "moe": {"token_dispatcher_type": "allgather", "hierarchical_alltoall": True, "node_size": 8,
             "overlap_chunks": 3, "routed_balance_coeff": 0.05, "routing_kl_coeff": 0.5},
     "lora": {"rank": 16, "alpha": 8.0, "dropout": 0.1, "targets": ["router", "latent"],
-             "init_seed": 5},
+             "init_seed": 5, "expert_rank": 4, "moe_rank_scaling": False,
+             "expert_layout": "shared-outer"},
     "data": {"task": "image-text", "format": "pretrain", "train_data": "train",
              "valid_data": "valid", "tokenizer": "tok.json", "seq_length": 256,
              "max_malformed_fraction": 0.25},
@@ -88,9 +90,10 @@ def test_the_table_covers_every_field_with_a_non_default_value():
             assert f.name in NON_DEFAULT[section], f"add {section}.{f.name} to NON_DEFAULT"
             # save_base, finetune_mode, hf_checkpoint, train_vision_tower, export_hf: see the
             # *_is_reachable_too tests; the persistent writer needs --async-save (on by default),
-            # which the table turns off
+            # which the table turns off; --moe-rank-scaling excludes the table's --expert-lora-rank
             if f.name not in ("save_base", "finetune_mode", "hf_checkpoint",
-                              "train_vision_tower", "export_hf", "use_persistent_ckpt_worker"):
+                              "train_vision_tower", "export_hf", "use_persistent_ckpt_worker",
+                              "moe_rank_scaling"):
                 assert NON_DEFAULT[section][f.name] != defaults[section][f.name], (section, f.name)
 
 
@@ -119,6 +122,14 @@ def test_save_base_is_reachable_too():
     run = parse_command_line(["--use-persistent-ckpt-worker"], prog="t", description="",
                              world_size=1).run
     assert run.output.use_persistent_ckpt_worker and run.output.async_save
+
+
+def test_moe_rank_scaling_is_reachable_too():
+    run = parse_command_line(["--moe-rank-scaling"], prog="t", description="", world_size=1).run
+    assert run.lora.moe_rank_scaling and run.lora.expert_rank == 0
+    with pytest.raises(ConfigError, match="--expert-lora-rank.*--moe-rank-scaling both"):
+        parse_command_line(["--moe-rank-scaling", "--expert-lora-rank", "2"], prog="t",
+                           description="", world_size=1)
 
 
 def test_export_hf_is_reachable_too():
@@ -168,8 +179,11 @@ def test_every_flag_is_unique_and_every_field_is_read_by_package_code():
     assert len(flags) == len(set(flags))
     sections = {name: cls.__name__ for name, cls in RunConfig.sections().items()}
     reads = field_reads(ROOT / "megatron_slmoe", sections)
+    # A setting that declares the model-file field it overrides is read where its section's
+    # overrides are applied (``MoERunConfig.over``).
     unread = [f"{section}.{f.name}" for section, cls in RunConfig.sections().items()
-              for f in settings(cls) if f.name not in reads[section]]
+              for f in settings(cls) if f.name not in reads[section]
+              and not (f.metadata["overrides"] and "over" in reads[section])]
     assert unread == []
 
 
@@ -253,3 +267,29 @@ def test_every_section_is_described_by_a_whole_sentence_in_help():
     for cls in RunConfig.sections().values():
         line = first_sentence(cls.__doc__ or "")
         assert line.endswith((".", ")")) and line[0].isupper(), (cls.__name__, line)
+
+
+def test_a_moe_flag_overrides_the_model_file_field_it_declares_and_only_when_given():
+    import dataclasses
+
+    from megatron_slmoe.model.model_file import load_model_config
+    from megatron_slmoe.moe.config import MoERunConfig, SLMoEConfig
+    from megatron_slmoe.training.model_setup import model_config_for_run
+
+    declared = {f.name: f.metadata["overrides"] for f in settings(MoERunConfig)
+                if f.metadata["overrides"]}
+    assert declared == {"token_dispatcher_type": "dispatcher",
+                        "hierarchical_alltoall": "hierarchical_alltoall",
+                        "node_size": "node_size", "overlap_chunks": "overlap_chunks"}
+    model = SLMoEConfig(dispatcher="allgather", node_size=2, overlap_chunks=3, latent_norm=True)
+    assert MoERunConfig().over(model) == model  # nothing given: the model file's values
+    given = MoERunConfig(token_dispatcher_type="alltoall", hierarchical_alltoall=True, node_size=8,
+                         overlap_chunks=1, routing_kl_coeff=0.5)
+    assert given.over(model) == SLMoEConfig(dispatcher="alltoall", hierarchical_alltoall=True,
+                                            node_size=8, overlap_chunks=1, latent_norm=True)
+    tiny = load_model_config("tiny")
+    run = model_config_for_run(tiny, MoERunConfig(node_size=4), "lora", 7)
+    assert run.slmoe == dataclasses.replace(tiny.slmoe, node_size=4, freeze_router=True,
+                                            distributed_timeout_minutes=7)
+    assert model_config_for_run(tiny, MoERunConfig(), "full", 7).slmoe == dataclasses.replace(
+        tiny.slmoe, distributed_timeout_minutes=7)

@@ -46,7 +46,7 @@ def test_every_picture_is_a_png_and_a_starving_expert_shows_in_the_heatmap(tmp_p
     import numpy as np
     from PIL import Image
 
-    from megatron_slmoe.training.plots import plot_run
+    from megatron_slmoe.training.reporting.plots import plot_run
 
     run = _write_run(tmp_path / "run", starving_expert=3)
     paths = plot_run(str(run))
@@ -72,7 +72,7 @@ def test_every_picture_is_a_png_and_a_starving_expert_shows_in_the_heatmap(tmp_p
 
 
 def test_a_run_without_drift_or_accuracy_gets_the_pictures_it_can(tmp_path):
-    from megatron_slmoe.training.plots import plot_run
+    from megatron_slmoe.training.reporting.plots import plot_run
 
     run = _write_run(tmp_path / "run", drift=False)
     for line_file in (run / "metrics.jsonl",):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from megatron_slmoe.training.attempts import describe
-from megatron_slmoe.training.metrics import MetricsWriter
+from megatron_slmoe.training.reliability.attempts import describe
+from megatron_slmoe.training.reporting.metrics import MetricsWriter
 
 
 def test_a_resumed_run_rewrites_metrics_from_its_iteration(tmp_path):

@@ -309,7 +309,8 @@ def _validate_only(capsys, *flags, base: Path) -> tuple[int, str]:
 
 def test_start_up_check_names_the_flag_and_url_in_one_line_without_secrets(
         s3_server, bucket, monkeypatch, capsys, tmp_path):
-    _put(s3_server, bucket, {"data/train.jsonl": b"{}\n"})
+    # One good instruction record: the start-up check reads stored instruction files too.
+    _put(s3_server, bucket, {"data/train.jsonl": b'{"prompt": "a", "response": "b"}\n'})
     good = f"s3://{bucket}/data/train.jsonl"
     secret = s3_server.secret_access_key
 

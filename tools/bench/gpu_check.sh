@@ -8,6 +8,12 @@
 #   build    the CUDA extension in place (SLMOE_BUILD_CUDA=1, sm_80 + sm_90)
 #   tests    tests/kernels (the kernel matrix on CPU and CUDA against fp64 references) -> tests.xml
 #   bench    tools/bench/lora_expert.py --device cuda (DeepSeek-V3- and Qwen3-like shapes)
+#   packed   tools/bench/packed_experts.py --speed --device cuda: the packed LoRA expert op (MXFP4,
+#            INT4, block FP8 at K3 / Kimi-K2.5 / DeepSeek-V3 expert shapes) against the op on the
+#            BF16-dequantised experts: parity (bit for bit expected) and packed speed = dense time /
+#            packed time (target >= 0.8), table in packed.log, JSON in packed_experts_cuda.json
+#   kda      fla-core's chunk_kda (Kimi K3's Kimi Delta Attention on CUDA) against the chunked
+#            pure-torch path: output and final state (tests/unit/test_kda.py, its CUDA case)
 #   train    a short single-GPU bf16 LoRA fine-tune of the `small` config through the normal entry
 #            point (full-mode base steps first, then LoRA): tokens/s and peak memory in its metrics
 # OUT_DIR/summary.json lists every step with its status and seconds. Exit code: 0 if all passed.
@@ -52,6 +58,8 @@ if [ "$has_cuda" = 1 ]; then
     step build env SLMOE_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" $PY setup.py build_ext --inplace
     step tests $PY -m pytest tests/kernels -q -p no:cacheprovider --junitxml "$out/tests.xml"
     step bench $PY tools/bench/lora_expert.py --device cuda --json "$out/lora_expert_cuda.json"
+    step packed $PY tools/bench/packed_experts.py --speed --device cuda --json "$out/packed_experts_cuda.json"
+    step kda $PY -m pytest tests/unit/test_kda.py -q -p no:cacheprovider -rs -k fla --junitxml "$out/kda.xml"
     train_flags=(--model-config small --bf16 --seq-length 512 --micro-batch-size 8
                  --global-batch-size 32)
     base_iters=30; lora_iters=60; launcher=(torchrun --standalone --nproc-per-node 1)
@@ -59,6 +67,8 @@ else
     skip build "no CUDA device"
     skip tests "no CUDA device"
     skip bench "no CUDA device"
+    skip packed "no CUDA device"
+    skip kda "no CUDA device"
     train_flags=(--model-config tiny --fp32 --seq-length 64 --micro-batch-size 2
                  --global-batch-size 8)
     base_iters=3; lora_iters=4; launcher=(torchrun --standalone --nproc-per-node 1)

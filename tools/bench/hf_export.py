@@ -86,7 +86,7 @@ def _merged_whole(adapter: str, hf_dir: str, out: str) -> None:
     from safetensors.torch import load_file, save_file
 
     from megatron_slmoe.hf.loader import open_hf_checkpoint
-    from megatron_slmoe.hf.mappings.lora import hf_loras, megatron_lora_modules
+    from megatron_slmoe.hf.lora_mapping import hf_loras, megatron_lora_modules
     from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, read_adapter_config
 
     hf = open_hf_checkpoint(hf_dir, check_shapes=False)

@@ -94,7 +94,7 @@ def worker(out_dir: str, total_steps: int, profile: bool, argv: list[str]) -> No
     live.__enter__()  # before anything allocates
     import torch
 
-    from megatron_slmoe.training import engine, finetune
+    from megatron_slmoe.training import engine, finetune, recipe
 
     record: dict = {"steps": []}
     steps = record["steps"]
@@ -136,7 +136,7 @@ def worker(out_dir: str, total_steps: int, profile: bool, argv: list[str]) -> No
                 os._exit(0)
             return result
 
-    engine.Engine = MeasuredEngine  # what finetune.main builds
+    recipe.Engine = MeasuredEngine  # what finetune.main builds (recipe.build_engine)
     finetune.main(argv)
 
 

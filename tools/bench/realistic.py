@@ -40,8 +40,10 @@ Give the load average beside the figures: the runs use both cores.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -113,7 +115,11 @@ def make_checkpoint(work: str, shape: dict) -> str:
                shape["preset"], "--num-layers", str(shape["layers"]), "--output", path]
     for item in shape["overrides"]:
         command += ["--set", item]
-    subprocess.run(command, check=True, env=_env(2), cwd=ROOT, capture_output=True)
+    proc = subprocess.run(command, env=_env(2), cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:  # the command's own line (a bad --set), not a CalledProcessError
+        print((proc.stderr.strip().splitlines() or [f"error: {command[1]} failed"])[-1],
+              file=sys.stderr)
+        sys.exit(proc.returncode)
     return path
 
 
@@ -353,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_slmoe.utils.atomic import write_json_atomic
 
     load = os.getloadavg()
-    work = args.work_dir or tempfile.mkdtemp(prefix="realistic-")
+    work = args.work_dir
+    if work is None:  # a folder of this run's only: gone with it, however it ends
+        work = tempfile.mkdtemp(prefix="realistic-")
+        atexit.register(shutil.rmtree, work, True)
     checkpoint = make_checkpoint(work, shape)
     data = make_data(work)
     model_shape = ModelShape.from_config(open_hf_checkpoint(checkpoint).model_config)

@@ -260,6 +260,20 @@ void cp_async_wait(int pending) {
   for (; f.completed < upto; ++f.completed) perform(f.copies[f.completed]);
 }
 
+namespace {
+int g_mutation = -1;  // -1: not set, read $SLMOE_EMU_MUTATION
+}
+
+int mutation() {
+  if (g_mutation < 0) {
+    const char* env = std::getenv("SLMOE_EMU_MUTATION");
+    g_mutation = env != nullptr ? std::atoi(env) : 0;
+  }
+  return g_mutation;
+}
+
+void set_mutation(int n) { g_mutation = n; }
+
 int emu_sm_count() {
   const char* env = std::getenv("SLMOE_EMU_SMS");
   const int n = env != nullptr ? std::atoi(env) : 4;

@@ -58,11 +58,18 @@ void cp_async(void* dst, const void* src, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int pending);
 
+// The injected bug this run compiles in (0: none): SLMOE_MUTANT(n) in the kernels is true when
+// mutation() == n. Set by set_mutation, else $SLMOE_EMU_MUTATION.
+int mutation();
+void set_mutation(int n);
+
 // Configuration of the emulated device (defaults: 4 SMs, 1 block per SM, i.e. a grid of at most
 // 4 persistent blocks, so tests walk several tiles per block). Environment: SLMOE_EMU_SMS.
 int emu_sm_count();
 
 }  // namespace slmoe_emu
+
+#define SLMOE_MUTANT(n) (::slmoe_emu::mutation() == (n))
 
 #define threadIdx (::slmoe_emu::thread_idx())
 #define blockIdx (::slmoe_emu::block_idx())

@@ -5,18 +5,16 @@ from __future__ import annotations
 from functools import lru_cache
 
 from megatron_slmoe.platform.adaptors.compat import register_without_te
+from megatron_slmoe.platform.adaptors.cpu import build_registry
+from megatron_slmoe.platform.adaptors.npu import NpuAdaptor
 from megatron_slmoe.platform.patching import PatchRegistry
 
 
 @lru_cache(maxsize=None)
 def adaptor_for(platform: str):
     if platform == "cpu":
-        from megatron_slmoe.platform.adaptors.cpu import build_registry
-
         return build_registry()
     if platform == "npu":
-        from megatron_slmoe.platform.adaptors.npu import NpuAdaptor
-
         return NpuAdaptor()
     if platform == "cuda":
         # Megatron-Core is written for CUDA: only the fixes for a missing TransformerEngine.

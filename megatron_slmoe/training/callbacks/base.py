@@ -1,5 +1,5 @@
-"""What the engine shares with the concerns attached to it: the run's context and the callback
-protocol.
+"""The callback protocol: what the engine calls on the concerns attached to it (they see its
+objects through ``training.context.RunContext``).
 
 A callback is one concern of a training run (routing quality, hang detection, mirroring to object
 storage, the summary, ...). The engine calls every callback at each event, in the order of its
@@ -28,62 +28,15 @@ Events, in the order of a run::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
+
+from megatron_slmoe.training.context import RunContext
 
 log = logging.getLogger("megatron_slmoe.training")
 
 BEFORE, DURING, FINAL = "before training", "during training", "after training"
 """When an evaluation happens: before the first step, at ``--eval-interval``, or the final one (at
 the last step, or at the end of a run resumed there)."""
-
-
-@dataclass
-class RunContext:
-    """The engine's objects and progress, as callbacks and tasks see them.
-
-    ``forward_only(microbatches)`` runs micro-batches forward through the model's pipeline
-    schedule (collective) and returns the mean loss; ``microbatches(dataset, start)`` is this
-    rank's share of the global batch of samples ``[start, start + global batch)``;
-    ``stop(reason)`` tells every callback that the run is ending for ``reason`` (from any thread).
-    """
-
-    platform: Any
-    rank: int
-    world_size: int
-    dp_rank: int
-    dp_size: int
-    output_dir: str
-    train_iters: int
-    global_batch_size: int
-    micro_batch_size: int
-    seq_length: int
-    model: Any                    # this rank's model chunk (LoRA injected)
-    ddp: Any                      # the chunk in Megatron's DDP
-    transformer_config: Any       # Megatron's TransformerConfig of the model
-    model_config: Any             # our ModelConfig (name, SLMoE settings)
-    optimizer: Any
-    scheduler: Any
-    tokenizer: Any
-    train: Any                    # datasets: sample i -> sample
-    valid: Any
-    storage: Any                  # megatron_slmoe.storage.Storage
-    records: Any                  # RecordSink: metrics.jsonl and TensorBoard (rank 0 writes)
-    forward_only: Callable[[list], float]
-    microbatches: Callable[[Any, int], list]
-    stop: Callable[[str], None]
-    iteration: int = 0
-    consumed_samples: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def device(self):
-        return self.platform.device()
-
-    def info(self, message: str) -> None:
-        """A line of the run's log (rank 0 writes it)."""
-        if self.rank == 0:
-            log.info(message)
 
 
 class Callback:

@@ -12,9 +12,8 @@ from typing import Optional
 
 import torch
 
-from megatron_slmoe.training.callbacks.base import Callback, RunContext
-
-
+from megatron_slmoe.training.callbacks.base import Callback
+from megatron_slmoe.training.context import RunContext
 class OutputMirror(Callback):
     name = "output_mirror"
 

@@ -10,9 +10,14 @@ from typing import Optional
 import torch
 
 from megatron_slmoe.config.errors import ConfigError
+from megatron_slmoe.hf.peft_export import export_peft_adapter
+from megatron_slmoe.lora.adapter import base_identity, save_adapter
 from megatron_slmoe.lora.config import LoRAConfig
 from megatron_slmoe.model.config import ModelSection
-from megatron_slmoe.training.callbacks.base import Callback, RunContext
+from megatron_slmoe.storage.urls import is_object_url
+from megatron_slmoe.training.callbacks.base import Callback
+from megatron_slmoe.training.checkpointing import save_base_checkpoint
+from megatron_slmoe.training.context import RunContext
 
 
 class AdapterExport(Callback):
@@ -27,9 +32,6 @@ class AdapterExport(Callback):
         self.export_hf, self.export_hf_layout = export_hf, export_hf_layout
 
     def finish(self, ctx: RunContext, summary: dict) -> None:
-        from megatron_slmoe.lora.adapter import base_identity, save_adapter
-        from megatron_slmoe.storage.urls import is_object_url
-
         where = {flag: path if path is None or is_object_url(path) else os.path.abspath(path)
                  for flag, path in (("base_checkpoint", self.model.base_checkpoint),
                                     ("hf_checkpoint", self.model.hf_checkpoint))}
@@ -44,13 +46,13 @@ class AdapterExport(Callback):
     def export_peft(self, ctx: RunContext, adapter_dir: str) -> None:
         """Rank 0 writes the saved adapter as a PEFT adapter of the HF base (no collective
         inside: the adapter file is layout independent); every rank raises its error."""
-        from megatron_slmoe.hf.peft_export import export_peft_adapter
 
         error = None
         if ctx.rank == 0:
             try:
-                export_peft_adapter(adapter_dir, self.model.hf_checkpoint, self.export_hf,
-                                    layout=self.export_hf_layout)
+                # the checkpoint the run opened, not a second opening
+                export_peft_adapter(adapter_dir, ctx.hf or self.model.hf_checkpoint,
+                                    self.export_hf, layout=self.export_hf_layout)
                 ctx.info(f"[finetune] PEFT adapter: {self.export_hf}")
             except Exception as err:  # noqa: BLE001  (every rank must hear of it)
                 error = f"--export-hf {self.export_hf}: {err}"
@@ -70,8 +72,6 @@ class BaseExport(Callback):
         self.directory, self.model_file = directory, model_file
 
     def finish(self, ctx: RunContext, summary: dict) -> None:
-        from megatron_slmoe.training.checkpointing import save_base_checkpoint
-
         model_file = self.model_file if self.model_file and os.path.isfile(self.model_file) \
             else None
         save_base_checkpoint(ctx.model, self.directory, ctx.model_config.name, ctx.tokenizer,

@@ -10,8 +10,12 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 
+from megatron_slmoe.lora.inject import adapters_disabled
 from megatron_slmoe.moe.config import MoERunConfig, MonitorConfig
-from megatron_slmoe.training.callbacks.base import Callback, RunContext
+from megatron_slmoe.moe.monitor import RoutingMonitor
+from megatron_slmoe.moe.stability import DRIFT_FIELDS, RoutingStability
+from megatron_slmoe.training.callbacks.base import Callback
+from megatron_slmoe.training.context import RunContext
 
 RECORDED_FIELDS = ("tokens_per_expert", "imbalance", "load_entropy", "router_entropy",
                    "dead_experts_window", "logit_rms")
@@ -32,10 +36,6 @@ class RoutingQuality(Callback):
         self._aux_names = None
 
     def setup(self, ctx: RunContext) -> None:
-        from megatron_slmoe.lora.inject import adapters_disabled
-        from megatron_slmoe.moe.monitor import RoutingMonitor
-        from megatron_slmoe.moe.stability import RoutingStability
-
         self.monitor = RoutingMonitor([ctx.model], self.monitor_config)
         self.stability = RoutingStability(
             [ctx.model], balance_coeff=self.moe.routed_balance_coeff if self.lora else 0.0,
@@ -114,8 +114,6 @@ def _gather_over_pipeline(routing: dict) -> list[dict]:
 
 
 def _routing_record(per_stage: list[dict]) -> dict:
-    from megatron_slmoe.moe.stability import DRIFT_FIELDS
-
     layers, warnings = {}, []
     for stage in per_stage:
         warnings += stage["warnings"]

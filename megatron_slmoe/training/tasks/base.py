@@ -8,23 +8,15 @@ rest through the run's context. ``tasks.text`` and ``tasks.image_text`` implemen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
 import torch
 
+from megatron_slmoe.inference.answers import Answers
 from megatron_slmoe.model.build import build_gpt_model
-from megatron_slmoe.training.callbacks.base import Callback, RunContext
-
-
-@dataclass(frozen=True)
-class Answers:
-    """Greedy answers to held-out prompts scored by exact match: the accuracy, and every
-    (prompt, answer, reference) of the data-parallel ranks together, in held-out order."""
-
-    accuracy: float
-    rows: list
+from megatron_slmoe.training.callbacks.base import Callback
+from megatron_slmoe.training.context import RunContext
 
 
 def masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -54,8 +46,10 @@ class Task:
     def after_base_weights(self, model) -> None:
         """Weights of the task's own parts that the base checkpoint does not hold."""
 
-    def datasets(self, storage, model_config, output_dir: str):
-        """(train, valid, tokenizer); collective (a default dataset may be made on rank 0)."""
+    def datasets(self, storage, tokenizer, output_dir: str):
+        """(train, valid) read with the run's ``tokenizer`` (opened and checked against the model
+        before start-up, ``training.inputs``); collective (a default dataset may be made on rank
+        0)."""
         raise NotImplementedError
 
     def collate(self, samples: list) -> dict:

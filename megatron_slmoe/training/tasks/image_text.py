@@ -29,16 +29,27 @@ from typing import Optional
 
 import torch
 
-from megatron_slmoe.data.config import IMAGE_TOKEN, DataConfig, ImageTextConfig
+from megatron_slmoe.data.config import DataConfig, IMAGE_TOKEN, ImageTextConfig
 from megatron_slmoe.data.errors import DataError
 from megatron_slmoe.data.image import ImagePreprocessConfig
-from megatron_slmoe.data.scoring import exact_match
-from megatron_slmoe.inference.generator import TextGenerator
+from megatron_slmoe.data.image_inputs import NativeResolutionImages, TiledImages
+from megatron_slmoe.data.image_text import (
+    ImageTextDataset,
+    collate_image_text,
+    node_view,
+    reduce_skip_counts,
+)
+from megatron_slmoe.data.instruction import render_chat
+from megatron_slmoe.data.sampler import RankReads
+from megatron_slmoe.data.shapes import ensure_shapes_task
+from megatron_slmoe.inference.answers import Answers, Request, held_out_answers
 from megatron_slmoe.model.config import VisionConfig
-from megatron_slmoe.training.callbacks.base import Callback, RunContext
+from megatron_slmoe.model.hf_vision import load_hf_vision_tower
+from megatron_slmoe.model.multimodal import build_multimodal_model
+from megatron_slmoe.training.callbacks.base import Callback
 from megatron_slmoe.training.config import ScheduleConfig
-from megatron_slmoe.training.evaluation import GENERATION_BATCH, gather_answers, share_of
-from megatron_slmoe.training.tasks.base import Answers, Task, masked_mean_loss, to_device
+from megatron_slmoe.training.context import RunContext
+from megatron_slmoe.training.tasks.base import Task, masked_mean_loss, to_device
 
 
 def forward_step(device: torch.device, data_iterator, model):
@@ -53,6 +64,9 @@ def forward_step(device: torch.device, data_iterator, model):
         first = parallel_state.is_pipeline_first_stage()
         images = {"pixel_values": batch["pixel_values"].to(device) if first else None,
                   "image_grid_thw": batch["image_grid_thw"].to(device)}
+        if "video_grid_thw" in batch:  # a model that takes videos too
+            images.update(pixel_values_videos=batch["pixel_values_videos"].to(device)
+                          if first else None, video_grid_thw=batch["video_grid_thw"].to(device))
         text = to_device({k: batch[k] for k in ("tokens", "labels", "loss_mask")}, device)
         tokens = text["tokens"]
         positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
@@ -71,24 +85,27 @@ def image_input(vision: VisionConfig, settings: ImageTextConfig, hf, tokenizer):
     each image's resolution with the checkpoint's processor settings, placeholder token and
     image text, checked against the tokenizer. One DataError line when the checkpoint and its
     tokenizer disagree."""
-    from megatron_slmoe.data.image_inputs import NativeResolutionImages, TiledImages
 
     if hf is None:
         return TiledImages(ImagePreprocessConfig.from_sections(vision, settings),
                            vision.image_token_index, vision.num_image_embeddings)
-    from megatron_slmoe.data.instruction import render_chat
-    from megatron_slmoe.data.native_resolution import NativeResolutionConfig, Qwen2VLPatches
 
     checkpoint, family = hf.checkpoint, hf.family
-    if not family.multimodal or not family.image_text:
+    if not hf.multimodal or not family.image_text:
         raise DataError(f"{checkpoint.directory}: a {family.name} checkpoint has no image input "
                         f"here (its language model fine-tunes with --task text)")
     image_token_id = family.hf_config(checkpoint.config_path).image_token_id
     processor = os.path.join(checkpoint.directory, "preprocessor_config.json")
-    config = (Qwen2VLPatches.from_preprocessor_config(processor)
-              if family.image_processor == "qwen2_vl"
-              else NativeResolutionConfig.from_preprocessor_config(processor))
-    images = NativeResolutionImages(config, family.image_token, image_token_id, family.image_text)
+    config = family.image_patches(processor)
+    hf_config = family.hf_config(checkpoint.config_path)
+    # Videos where the family takes them and the checkpoint ships its video processor.
+    video_processor = os.path.join(checkpoint.directory, family.video_settings)
+    videos = (family.video_patches(video_processor)
+              if family.video_token and os.path.exists(video_processor) else None)
+    images = NativeResolutionImages(config, family.image_token, image_token_id, family.image_text,
+                                    videos=videos, video_token_id=getattr(
+                                        hf_config, "video_token_id", None))
+    shared = getattr(videos, "shares_image_placeholder", False)  # checked as the image's
     # One image in the checkpoint's chat template must give one placeholder with config.json's
     # id (else every record would be skipped as an image count mismatch).
     probe = images.messages([{"role": "user", "content": IMAGE_TOKEN},
@@ -99,23 +116,15 @@ def image_input(vision: VisionConfig, settings: ImageTextConfig, hf, tokenizer):
                         f"tokens of config.json's image_token_id {image_token_id}, not 1 (the "
                         f"tokenizer needs {family.image_token} as a special token with that id "
                         f"and a chat template)")
+    if videos is not None and not shared:
+        probe = [{"role": "user", "content": family.video_token},
+                 {"role": "assistant", "content": "."}]
+        found = render_chat(tokenizer, probe)[0].count(images.video_token_id)
+        if found != 1:
+            raise DataError(f"{tokenizer.path}: {family.video_token} renders {found} tokens of "
+                            f"config.json's video_token_id {images.video_token_id}, not 1 (the "
+                            f"tokenizer needs it as a special token with that id)")
     return images
-
-
-def node_view(storage, path: str):
-    """(local folder, StoredFolder or None) of a dataset setting: a local folder as it is; one on
-    object storage as this node's view of it, its metadata fetched now and its shards as they
-    are read (each once per node, through the node cache)."""
-    from megatron_slmoe.data.image_text import energon_metadata
-    from megatron_slmoe.storage import is_object_url
-
-    if not is_object_url(path):
-        return path, None
-    stored = storage.stored_folder(path, energon_metadata)
-    if not os.path.isdir(os.path.join(stored.directory, ".nv-meta")):
-        raise DataError(f"{path}: not an energon dataset (no .nv-meta/ under the prefix; "
-                        f"prepare one with tools/prepare_image_text.py and upload the folder)")
-    return stored.directory, stored
 
 
 class ImageTextTask(Task):
@@ -135,7 +144,6 @@ class ImageTextTask(Task):
 
     def build_model(self, model_config, transformer_config, pre_process: bool,
                     post_process: bool):
-        from megatron_slmoe.model.multimodal import build_multimodal_model
 
         model = build_multimodal_model(model_config, transformer_config, self.vision,
                                        seq_length=self.data.seq_length,
@@ -156,14 +164,11 @@ class ImageTextTask(Task):
                 vision.requires_grad_(False)
             return
         if self.vision.checkpoint:
-            from megatron_slmoe.model.hf_vision import load_hf_vision_tower
-
             load_hf_vision_tower(model, self.vision.checkpoint, self.vision)
 
     def _paths(self, output_dir: str) -> tuple[str, str]:
         """(train dataset, held-out dataset): the flags', else the shapes task made on first use
         in the run's folder (captions for ``--data-format pretrain``, else questions)."""
-        from megatron_slmoe.data.shapes import ensure_shapes_task
 
         data = self.data
         if data.train_data:
@@ -176,18 +181,10 @@ class ImageTextTask(Task):
         path = os.path.join(folder, name)
         return path, path
 
-    def datasets(self, storage, model_config, output_dir: str):
+    def datasets(self, storage, tokenizer, output_dir: str):
         from megatron.core import parallel_state
 
-        from megatron_slmoe.data.image_text import ImageTextDataset
-        from megatron_slmoe.data.sampler import RankReads
-        from megatron_slmoe.data.tokenizer import load_tokenizer, tokenizer_source
-
         data, schedule = self.data, self.schedule
-        tokenizer = load_tokenizer(storage.local_file(tokenizer_source(data.tokenizer)))
-        if tokenizer.vocab_size > model_config.vocab_size:
-            raise DataError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than the "
-                            f"model's vocab_size {model_config.vocab_size}")
         paths = self._paths(output_dir)
         views = {}  # one view of a prefix that is both the training and the held-out data
         for path in paths:
@@ -206,11 +203,9 @@ class ImageTextTask(Task):
         valid = ImageTextDataset(valid_path, tokenizer, data.seq_length, split="val",
                                  shuffle=False, stored=valid_stored, **common)
         self.train, self.valid, self.tokenizer = train, valid, tokenizer
-        return train, valid, tokenizer
+        return train, valid
 
     def collate(self, samples: list) -> dict:
-        from megatron_slmoe.data.image_text import collate_image_text
-
         return collate_image_text(samples)
 
     def forward_step(self, device: torch.device, data_iterator, model):
@@ -225,20 +220,12 @@ class ImageTextTask(Task):
         examples = self.valid.generation_examples(limit)
         if not examples:
             return None
-        share = share_of(len(examples), ctx.dp_rank, ctx.dp_size)
-        mine = [examples[i] for i in share]
         tokenizer = self.tokenizer
         longest = max(len(tokenizer.encode(reference)) for _, reference in examples)
-        generator = TextGenerator(ctx.ddp, tokenizer.eos_id, tokenizer.vocab_size,
-                                  max_batch_size=GENERATION_BATCH)
-        generated = generator.generate([p for p, _ in mine],
-                                       min(self.settings.max_answer_tokens, longest + 1),
-                                       prompt_indices=share)
-        answers = [tokenizer.decode(ids) for ids in generated]
-        rows = [(tokenizer.decode([t for t in prompt.tokens if t >= 0]), answer, reference)
-                for (prompt, reference), answer in zip(mine, answers)]
-        correct = sum(exact_match(a, r) for _, a, r in rows)
-        return Answers(*gather_answers(rows, correct, ctx.device))
+        limit = min(self.settings.max_answer_tokens, longest + 1)
+        requests = [Request(list(prompt.tokens), reference, limit, prompt)
+                    for prompt, reference in examples]
+        return held_out_answers(ctx.ddp, tokenizer, requests, ctx.dp_rank, ctx.dp_size)
 
     def callbacks(self) -> list[Callback]:
         return [BadSampleCount(self), StoredDataReads(self)]
@@ -257,7 +244,6 @@ class BadSampleCount(Callback):
     def _counts(self) -> dict:
         """Distinct bad records skipped so far by reason, over the data-parallel ranks (train +
         held-out data); collective."""
-        from megatron_slmoe.data.image_text import reduce_skip_counts
 
         return reduce_skip_counts(self.task.train.stats, self.task.valid.stats)
 

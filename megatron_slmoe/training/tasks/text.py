@@ -5,7 +5,7 @@ Data settings may be local paths or ``s3://`` / ``msc://`` URLs, read through th
 cache of ``megatron_slmoe.storage``; a URL ending in ``/`` means every ``*.jsonl``
 (instruction) or every ``*.idx``/``*.bin`` pair (pretrain) under it, in key order. Held-out
 accuracy: the first ``eval_accuracy_samples`` held-out conversations answered greedily
-(``training.evaluation``) at every evaluation.
+(``inference.answers``) at every evaluation.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import torch
 from megatron_slmoe.data.assets import asset_path
 from megatron_slmoe.data.config import DataConfig
 from megatron_slmoe.data.errors import DataError
-from megatron_slmoe.data.tokenizer import load_tokenizer, tokenizer_source
-from megatron_slmoe.training.callbacks.base import RunContext
+from megatron_slmoe.data.instruction import InstructionDataset, packed_attention_mask
+from megatron_slmoe.data.pretrain import build_pretrain_datasets, preprocess
+from megatron_slmoe.data.sampler import collate
+from megatron_slmoe.inference.answers import Answers, held_out_answers, request_for
 from megatron_slmoe.training.config import ScheduleConfig
-from megatron_slmoe.training.tasks.base import Answers, Task, masked_mean_loss, to_device
+from megatron_slmoe.training.context import RunContext
+from megatron_slmoe.training.tasks.base import Task, masked_mean_loss, to_device
 
 
 class TextTask(Task):
@@ -30,28 +33,25 @@ class TextTask(Task):
 
     def __init__(self, data: DataConfig, schedule: ScheduleConfig) -> None:
         self.data, self.schedule = data, schedule
-        self.evaluator = None
+        self.requests = []  # held-out prompts answered at evaluations
+        self.tokenizer = None
 
-    def datasets(self, storage, model_config, output_dir: str):
-        """(train, valid, tokenizer). The tokenizer and sequence length were checked against the
-        model before the run started (training.inputs)."""
+    def datasets(self, storage, tokenizer, output_dir: str):
+        """(train, valid). The tokenizer and sequence length were checked against the model
+        before the run started (training.inputs)."""
         data, schedule = self.data, self.schedule
-        tokenizer = load_tokenizer(storage.local_file(tokenizer_source(data.tokenizer)))
         if data.format == "instruction":
             train, valid = self._instruction(storage, tokenizer)
         else:
             train, valid = self._pretrain(storage, tokenizer, output_dir)
         conversations = getattr(valid, "conversations", None)  # instruction data only
         if conversations and schedule.eval_accuracy_samples > 0:
-            from megatron_slmoe.training.evaluation import TaskEvaluator
-
-            self.evaluator = TaskEvaluator(conversations, tokenizer,
-                                           schedule.eval_accuracy_samples)
-        return train, valid, tokenizer
+            self.requests = [request_for(tokenizer, m)
+                             for m in conversations[:schedule.eval_accuracy_samples]]
+        self.tokenizer = tokenizer
+        return train, valid
 
     def _instruction(self, storage, tokenizer):
-        from megatron_slmoe.data.instruction import InstructionDataset
-
         data, schedule = self.data, self.schedule
 
         def files(path, default: str) -> list[str]:
@@ -69,8 +69,6 @@ class TextTask(Task):
         return train, valid
 
     def _pretrain(self, storage, tokenizer, output_dir: str):
-        from megatron_slmoe.data.pretrain import build_pretrain_datasets, preprocess
-
         data, schedule = self.data, self.schedule
         prefix = data.train_data
         if prefix is None:  # the shipped corpus, tokenized once into the run's directory
@@ -89,13 +87,9 @@ class TextTask(Task):
         return train, valid
 
     def collate(self, samples: list) -> dict:
-        from megatron_slmoe.data.sampler import collate
-
         return collate(samples)
 
     def forward_step(self, device: torch.device, data_iterator, model):
-        from megatron_slmoe.data.instruction import packed_attention_mask
-
         batch = to_device(next(data_iterator), device)
         # Packed instruction rows keep their examples apart (data.instruction); pretraining
         # samples use Megatron's default causal mask.
@@ -104,7 +98,7 @@ class TextTask(Task):
         return output, partial(masked_mean_loss, batch["loss_mask"])
 
     def answers(self, ctx: RunContext) -> Optional[Answers]:
-        if self.evaluator is None:
+        if not self.requests:
             return None
-        accuracy, rows = self.evaluator.evaluate(ctx.model, ctx.dp_rank, ctx.dp_size)
-        return Answers(accuracy, rows)
+        return held_out_answers(ctx.model, self.tokenizer, self.requests, ctx.dp_rank,
+                                ctx.dp_size)

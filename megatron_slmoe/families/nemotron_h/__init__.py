@@ -1,0 +1,1 @@
+"""NemotronH (Mamba-attention hybrid MoE): config reading and tensor table (``family``)."""

@@ -1,0 +1,1 @@
+"""Qwen3-MoE: its config reading and tensor table (``family``)."""
