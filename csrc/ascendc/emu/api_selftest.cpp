@@ -8,7 +8,9 @@
 // L0C across Mmads, and DataCopyPad's 32-byte row padding (dummy = the row's first element).
 // Then the emulation's own checks, each misuse in a forked child that must end with status 3 and
 // the expected message: double FreeTensor, EnQue past the depth, use before DeQue, a race between
-// pipes, a DataCopy length off the 32-byte grid, a TPipe past UB, a cross-core wait never answered.
+// pipes, a DataCopy length off the 32-byte grid, a TPipe past UB, a cross-core wait never answered,
+// a Gather past its source, a vector op reading a vector result without PipeBarrier<PIPE_V>.
+// The integer / bit / gather operations of the packed dequantiser are checked in an AIV-only launch.
 //
 //   api_selftest      exit 0 when every check passes
 #include <sys/wait.h>
@@ -350,6 +352,95 @@ void expect_caught(const char* what, const char* message, const std::function<vo
   if (!ok) std::printf("     child status %d, stderr: %s\n", status, err.c_str());
 }
 
+// The vector operations of a packed-weight dequantiser (Atlas A2 semantics as CANN documents them),
+// in an AIV-only launch: ShiftRight / ShiftLeft on 32-bit words (logical for unsigned, arithmetic
+// for signed), And on uint16_t halves of 32-bit words (A2 has no 32-bit And), Adds on int32_t,
+// Cast uint8_t -> half -> int32_t -> float, and Gather by byte offsets (interleave and table lookup).
+void check_vector_int_ops() {
+  constexpr uint32_t n = 64;
+  std::vector<uint32_t> words(n);
+  std::vector<uint8_t> bytes(n);
+  std::mt19937 rng(3);
+  for (uint32_t i = 0; i < n; ++i) words[i] = static_cast<uint32_t>(rng()), bytes[i] = static_cast<uint8_t>(rng());
+  words[0] = 0x80000001u;  // the sign bit: logical vs arithmetic shift
+  std::vector<uint32_t> shr(n), nib(n), shl(n), gat(n);
+  std::vector<int32_t> sar(n), adds(n), b2i(n);
+  std::vector<float> b2f(n), lut(n);
+  slmoe_emu::gm_clear();
+  slmoe_emu::gm_register(words.data(), n * 4, false, "words");
+  slmoe_emu::gm_register(bytes.data(), n, false, "bytes");
+  slmoe_emu::launch_aiv(1, [&] {
+    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);
+    TPipe pipe;
+    TQue<TPosition::VECIN, 1> qin;
+    TBuf<TPosition::VECCALC> calc;
+    pipe.InitBuffer(qin, 1, n * 4 + n);
+    pipe.InitBuffer(calc, 16 * n * 4);
+    GlobalTensor<uint32_t> gw;
+    GlobalTensor<uint8_t> gb;
+    gw.SetGlobalBuffer(words.data());
+    gb.SetGlobalBuffer(bytes.data());
+    LocalTensor<uint8_t> in = qin.AllocTensor<uint8_t>();
+    DataCopy(in.ReinterpretCast<uint32_t>(), gw, n);
+    DataCopy(in[n * 4], gb, n);
+    qin.EnQue(in);
+    in = qin.DeQue<uint8_t>();
+    LocalTensor<uint32_t> w = in.ReinterpretCast<uint32_t>();
+    LocalTensor<uint32_t> c = calc.Get<uint32_t>();
+    auto at = [&](uint32_t k) { return c[k * n]; };  // slot k of n words
+    ShiftRight(at(0), w, 4u, n);
+    ShiftRight(at(1).ReinterpretCast<int32_t>(), w.ReinterpretCast<int32_t>(), 4, n);
+    Duplicate(at(2), 0xF0F0u, n);
+    PipeBarrier<PIPE_V>();
+    And(at(3).ReinterpretCast<uint16_t>(), at(0).ReinterpretCast<uint16_t>(), at(2).ReinterpretCast<uint16_t>(),
+        2 * n);
+    ShiftLeft(at(4), w, 3u, n);
+    Adds(at(5).ReinterpretCast<int32_t>(), w.ReinterpretCast<int32_t>(), -8, n);
+    Cast(at(6).ReinterpretCast<half>(), in[n * 4], RoundMode::CAST_NONE, n);
+    PipeBarrier<PIPE_V>();
+    Cast(at(7).ReinterpretCast<int32_t>(), at(6).ReinterpretCast<half>(), RoundMode::CAST_RINT, n);
+    PipeBarrier<PIPE_V>();
+    Cast(at(8).ReinterpretCast<float>(), at(7).ReinterpretCast<int32_t>(), RoundMode::CAST_NONE, n);
+    ShiftLeft(at(9), at(7).ReinterpretCast<uint32_t>(), 2u, n);  // byte offsets of 4-byte elements
+    for (uint32_t i = 0; i < n; ++i) at(10).emu_data("selftest")[i] = ((i % 8) * 8 + i / 8) * 4;  // transpose 8x8
+    PipeBarrier<PIPE_ALL>();
+    Gather(at(11), w, at(10), 0, n);
+    // a 256-entry float table: entry k = k / 2 - 3, looked up at each byte
+    LocalTensor<float> table = c[12 * n].ReinterpretCast<float>();
+    for (uint32_t k = 0; k < 256; ++k) table.emu_data("selftest")[k] = static_cast<float>(k) / 2 - 3;
+    PipeBarrier<PIPE_ALL>();
+    Gather(at(9).ReinterpretCast<float>(), table, at(9), 0, n);
+    PipeBarrier<PIPE_ALL>();
+    std::memcpy(shr.data(), at(0).emu_data("selftest"), n * 4);
+    std::memcpy(sar.data(), at(1).emu_data("selftest"), n * 4);
+    std::memcpy(nib.data(), at(3).emu_data("selftest"), n * 4);
+    std::memcpy(shl.data(), at(4).emu_data("selftest"), n * 4);
+    std::memcpy(adds.data(), at(5).emu_data("selftest"), n * 4);
+    std::memcpy(b2i.data(), at(7).emu_data("selftest"), n * 4);
+    std::memcpy(b2f.data(), at(8).emu_data("selftest"), n * 4);
+    std::memcpy(gat.data(), at(11).emu_data("selftest"), n * 4);
+    std::memcpy(lut.data(), at(9).emu_data("selftest"), n * 4);
+    qin.FreeTensor(in);
+  });
+  slmoe_emu::gm_clear();
+  bool ok_shift = true, ok_and = true, ok_adds = true, ok_cast = true, ok_gather = true;
+  for (uint32_t i = 0; i < n; ++i) {
+    ok_shift = ok_shift && shr[i] == words[i] >> 4 && sar[i] == (static_cast<int32_t>(words[i]) >> 4) &&
+               shl[i] == words[i] << 3;
+    ok_and = ok_and && nib[i] == ((words[i] >> 4) & 0xF0F0u);
+    ok_adds = ok_adds && adds[i] == static_cast<int32_t>(words[i]) - 8;
+    ok_cast = ok_cast && b2i[i] == bytes[i] && b2f[i] == static_cast<float>(bytes[i]);
+    ok_gather = ok_gather && gat[i] == words[(i % 8) * 8 + i / 8] &&
+                lut[i] == static_cast<float>(bytes[i]) / 2 - 3;
+  }
+  ok_shift = ok_shift && sar[0] < 0 && shr[0] == 0x08000000u;
+  expect(ok_shift, "ShiftRight (logical for uint32_t, arithmetic for int32_t) and ShiftLeft on 32-bit words");
+  expect(ok_and, "And on the uint16_t halves of 32-bit words (A2: And takes (u)int16_t)");
+  expect(ok_adds, "Adds on int32_t");
+  expect(ok_cast, "Cast uint8_t -> half (CAST_NONE) -> int32_t (CAST_RINT) -> float (CAST_NONE), exact");
+  expect(ok_gather, "Gather by byte offsets: an 8x8 transpose of words and a 256-entry float table lookup");
+}
+
 void check_misuse_is_caught() {
   using Q = TQue<TPosition::VECIN, 1>;
   static std::vector<float> gm(64, 1.0f);
@@ -409,6 +500,23 @@ void check_misuse_is_caught() {
     pipe.InitBuffer(q, 2, 100 * 1024);
   });
   expect_caught("cross-core wait never answered", "deadlock", [&] { CrossCoreWaitFlag<2, PIPE_MTE2>(3); });
+  expect_caught("Gather past its source", "reads byte", [&] {
+    TPipe pipe;
+    TBuf<TPosition::VECCALC> b;
+    pipe.InitBuffer(b, 256);
+    LocalTensor<uint32_t> off = b.Get<uint32_t>();
+    Duplicate(off, 200u, 8);
+    PipeBarrier<PIPE_V>();
+    Gather(off[8].ReinterpretCast<float>(), off[48].ReinterpretCast<float>(), off, 0, 8);  // byte 200 of a 64-byte source
+  });
+  expect_caught("And without a barrier after the Duplicate it reads", "race (read after write)", [&] {
+    TPipe pipe;
+    TBuf<TPosition::VECCALC> b;
+    pipe.InitBuffer(b, 256);
+    LocalTensor<uint16_t> t = b.Get<uint16_t>();
+    Duplicate(t, static_cast<uint16_t>(15), 32);
+    And(t[32], t, t, 32);
+  });
   slmoe_emu::gm_clear();
 }
 
@@ -420,6 +528,7 @@ int main() {
   check_gemv();
   check_datacopypad();
   check_rounding();
+  check_vector_int_ops();
   check_misuse_is_caught();
   slmoe_emu::gm_clear();
   if (g_failures) {

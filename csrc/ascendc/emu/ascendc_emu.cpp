@@ -166,6 +166,7 @@ struct GmRegion {
 
 struct Launch {
   uint32_t block_dim = 0;
+  int kernel_type = KERNEL_TYPE_MIX_AIC_1_2;  // launch_mix: one AIC + two AIVs per block; launch_aiv: one AIV
   std::vector<std::unique_ptr<Core>> cores;
   int cur = -1;
   ucontext_t sched;
@@ -185,7 +186,7 @@ Core& cur() {
   return *g_launch->cores[g_launch->cur];
 }
 
-uint32_t agents() { return g_launch->block_dim * 3 * kPipes; }
+uint32_t agents() { return static_cast<uint32_t>(g_launch->cores.size()) * kPipes; }
 uint32_t agent(const Core& c, int pipe) { return static_cast<uint32_t>(c.index * kPipes + pipe); }
 std::string agent_name(uint32_t a) {
   const Core& c = *g_launch->cores[a / kPipes];
@@ -223,8 +224,9 @@ void block_until(std::function<bool()> ready, std::string what) {
 }
 
 void check_core_end(Core& c) {
-  if (c.kernel_type != KERNEL_TYPE_MIX_AIC_1_2) {
-    fail("the kernel did not declare KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2)");
+  if (c.kernel_type != g_launch->kernel_type) {
+    fail("the kernel did not declare KERNEL_TASK_TYPE_DEFAULT(%s)",
+         g_launch->kernel_type == KERNEL_TYPE_AIV_ONLY ? "KERNEL_TYPE_AIV_ONLY" : "KERNEL_TYPE_MIX_AIC_1_2");
   }
   for (size_t q = 0; q < c.queues.size(); ++q) {
     for (int b : c.queues[q].buffers) {
@@ -441,13 +443,15 @@ void fail(const char* fmt, ...) {
   std::_Exit(3);
 }
 
-int mutation() {
-  static const int m = [] {
-    const char* s = std::getenv("SLMOE_EMU_MUTATION");
-    return s ? std::atoi(s) : 0;
-  }();
-  return m;
-}
+namespace {
+int g_mutation = [] {
+  const char* s = std::getenv("SLMOE_EMU_MUTATION");
+  return s ? std::atoi(s) : 0;
+}();
+}  // namespace
+
+int mutation() { return g_mutation; }
+void set_mutation(int n) { g_mutation = n; }
 
 void gm_register(const void* p, size_t bytes, bool writable, const char* name) {
   if (bytes == 0) return;
@@ -464,11 +468,26 @@ void gm_clear() { g_gm.clear(); }
 
 void gm_allow_unregistered(bool allow) { g_gm_unregistered_ok = allow; }
 
+namespace {
+void launch(uint32_t block_dim, int kernel_type, const std::function<void()>& kernel);
+}
+
 void launch_mix(uint32_t block_dim, const std::function<void()>& kernel) {
+  launch(block_dim, KERNEL_TYPE_MIX_AIC_1_2, kernel);
+}
+
+void launch_aiv(uint32_t block_dim, const std::function<void()>& kernel) {
+  launch(block_dim, KERNEL_TYPE_AIV_ONLY, kernel);
+}
+
+namespace {
+void launch(uint32_t block_dim, int kernel_type, const std::function<void()>& kernel) {
   if (block_dim == 0) return;
   if (g_launch != nullptr) fail("nested launch");
   Launch L;
   L.block_dim = block_dim;
+  L.kernel_type = kernel_type;
+  const bool aiv_only = kernel_type == KERNEL_TYPE_AIV_ONLY;
   L.kernel = &kernel;
   g_launch = &L;
   for (auto& [addr, r] : g_gm) {  // a launch is ordered after everything before it on the stream
@@ -476,13 +495,13 @@ void launch_mix(uint32_t block_dim, const std::function<void()>& kernel) {
     std::fill(r.shadow.begin(), r.shadow.end(), GmShadow{});
   }
   for (uint32_t b = 0; b < block_dim; ++b) {
-    for (int k = 0; k < 3; ++k) {
+    for (int k = aiv_only ? 1 : 0; k < (aiv_only ? 2 : 3); ++k) {
       auto c = std::make_unique<Core>();
       c->aic = k == 0;
       c->block = b;
       c->sub = k == 0 ? 0 : k - 1;
       c->index = static_cast<int>(L.cores.size());
-      c->name = c->aic ? "AIC" + std::to_string(b) : "AIV" + std::to_string(2 * b + c->sub);
+      c->name = c->aic ? "AIC" + std::to_string(b) : "AIV" + std::to_string(aiv_only ? b : 2 * b + c->sub);
       for (int m = 0; m < kMems; ++m) {
         const bool mine = (m == static_cast<int>(Mem::UB)) != c->aic;
         if (!mine) continue;
@@ -533,13 +552,14 @@ void launch_mix(uint32_t block_dim, const std::function<void()>& kernel) {
   }
   g_launch = nullptr;
 }
+}  // namespace
 
 void declare_kernel_type(int type) { cur().kernel_type = type; }
 bool is_aic() { return cur().aic; }
 bool is_aiv() { return !cur().aic; }
 int64_t block_idx() {
   const Core& c = cur();
-  return c.aic ? c.block : 2 * c.block + c.sub;
+  return c.aic || g_launch->kernel_type == KERNEL_TYPE_AIV_ONLY ? c.block : 2 * c.block + c.sub;
 }
 int64_t block_num() { return cur(), g_launch->block_dim; }
 int64_t sub_block_idx() { return cur().sub; }
@@ -710,6 +730,7 @@ void cross_core_set(uint8_t mode, pipe_t pipe, uint16_t flag) {
   if (mode != 2) fail("CrossCoreSetFlag mode %u is not emulated (mode 2 only)", mode);
   if (pipe == PIPE_S || pipe == PIPE_ALL) fail("CrossCoreSetFlag does not take PIPE_S or PIPE_ALL");
   if (flag >= kFlags) fail("CrossCoreSetFlag flag id %u > 15", flag);
+  if (g_launch->kernel_type != KERNEL_TYPE_MIX_AIC_1_2) fail("CrossCoreSetFlag in a kernel without a cube unit");
   const Clock s = snapshot(c, pipe);
   auto post = [&](Core& to, int slot) {
     auto& box = to.inbox[slot][flag];
@@ -728,6 +749,7 @@ void cross_core_set(uint8_t mode, pipe_t pipe, uint16_t flag) {
 void cross_core_wait(uint8_t mode, uint16_t flag) {
   Core& c = cur();
   if (flag >= kFlags) fail("CrossCoreWaitFlag flag id %u > 15", flag);
+  if (g_launch->kernel_type != KERNEL_TYPE_MIX_AIC_1_2) fail("CrossCoreWaitFlag in a kernel without a cube unit");
   (void)mode;  // Atlas A2: the wait blocks all pipes whatever the mode template says
   Core* me = &c;
   const std::string what = "CrossCoreWaitFlag(" + std::to_string(flag) + ")";

@@ -16,6 +16,10 @@ template <typename T>
 constexpr bool kIsB16 = std::is_same<T, half>::value || std::is_same<T, bfloat16_t>::value;
 
 template <typename T>
+constexpr bool kIsInt16or32 = std::is_same<T, int16_t>::value || std::is_same<T, uint16_t>::value ||
+                              std::is_same<T, int32_t>::value || std::is_same<T, uint32_t>::value;
+
+template <typename T>
 inline float to_f32(T v) {
   return static_cast<float>(v);
 }
@@ -29,6 +33,8 @@ const char* type_name() {
   if (std::is_same<T, float>::value) return "float";
   if (std::is_same<T, half>::value) return "half";
   if (std::is_same<T, bfloat16_t>::value) return "bfloat16_t";
+  if (std::is_same<T, uint8_t>::value) return "uint8_t";
+  if (std::is_same<T, int32_t>::value) return "int32_t";
   return "other";
 }
 
@@ -388,7 +394,8 @@ void Muls(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalar,
 
 template <typename T>
 void Duplicate(const LocalTensor<T>& dst, const T& scalar, const int32_t& count) {
-  static_assert(std::is_same<T, float>::value || slmoe_emu::kIsB16<T>, "emulated Duplicate: float, half, bf16");
+  static_assert(std::is_same<T, float>::value || slmoe_emu::kIsB16<T> || slmoe_emu::kIsInt16or32<T>,
+                "emulated Duplicate: float, half, bf16, (u)int16, (u)int32");
   const char* what = "Duplicate";
   emu_detail::vec_check(dst, count, what);
   slmoe_emu::op_begin(PIPE_V, what);
@@ -398,21 +405,32 @@ void Duplicate(const LocalTensor<T>& dst, const T& scalar, const int32_t& count)
   slmoe_emu::op_end();
 }
 
-// Type conversion; the (type, round mode) pairs are those the Atlas A2 table allows.
+// Type conversion; the (type, round mode) pairs are those the Atlas A2 table allows, for the pairs
+// the kernels use: float <-> half / bfloat16_t, uint8_t -> half (CAST_NONE, exact), half -> int32_t
+// (CAST_RINT/FLOOR/CEIL/ROUND/TRUNC), int32_t -> float (CAST_NONE, round to nearest even).
 template <typename T, typename U>
 void Cast(const LocalTensor<T>& dst, const LocalTensor<U>& src, const RoundMode& mode, const uint32_t count) {
   using namespace slmoe_emu;
   const char* what = "Cast";
   constexpr bool widen = kIsB16<U> && std::is_same<T, float>::value;
   constexpr bool narrow = std::is_same<U, float>::value && kIsB16<T>;
-  static_assert(widen || narrow, "emulated Cast: between float and half / bfloat16_t");
-  if (widen && mode != RoundMode::CAST_NONE) fail("%s: %s -> float takes CAST_NONE on Atlas A2", what, type_name<U>());
+  constexpr bool u8_half = std::is_same<U, uint8_t>::value && std::is_same<T, half>::value;
+  constexpr bool half_s32 = std::is_same<U, half>::value && std::is_same<T, int32_t>::value;
+  constexpr bool s32_float = std::is_same<U, int32_t>::value && std::is_same<T, float>::value;
+  static_assert(widen || narrow || u8_half || half_s32 || s32_float,
+                "emulated Cast: float <-> half / bfloat16_t, uint8_t -> half, half -> int32_t, int32_t -> float");
+  if ((widen || u8_half || s32_float) && mode != RoundMode::CAST_NONE) {
+    fail("%s: %s -> %s takes CAST_NONE here", what, type_name<U>(), type_name<T>());
+  }
   if (narrow) {
     const bool rint = mode == RoundMode::CAST_RINT || (mode == RoundMode::CAST_NONE && std::is_same<T, half>::value);
     if (mode == RoundMode::CAST_NONE && std::is_same<T, bfloat16_t>::value) {
       fail("%s: float -> bfloat16_t does not support CAST_NONE on Atlas A2", what);
     }
     if (!rint) fail("%s: round modes other than CAST_RINT are not emulated", what);
+  }
+  if (half_s32 && (mode == RoundMode::CAST_NONE || mode == RoundMode::CAST_ODD)) {
+    fail("%s: half -> int32_t takes CAST_RINT/FLOOR/CEIL/ROUND/TRUNC on Atlas A2", what);
   }
   emu_detail::vec_check(dst, count, what);
   emu_detail::vec_check(src, count, what);
@@ -421,7 +439,127 @@ void Cast(const LocalTensor<T>& dst, const LocalTensor<U>& src, const RoundMode&
   emu_detail::vec_write(dst, count);
   const U* x = src.emu_data(what);
   T* z = dst.emu_data(what);
-  for (uint32_t i = 0; i < count; ++i) z[i] = from_f32<T>(to_f32(x[i]));
+  for (uint32_t i = 0; i < count; ++i) {
+    if constexpr (u8_half) {
+      z[i] = half(static_cast<float>(x[i]));
+    } else if constexpr (half_s32) {
+      const float f = static_cast<float>(x[i]);
+      const float r = mode == RoundMode::CAST_FLOOR ? std::floor(f)
+                      : mode == RoundMode::CAST_CEIL ? std::ceil(f)
+                      : mode == RoundMode::CAST_ROUND ? std::round(f)
+                      : mode == RoundMode::CAST_TRUNC ? std::trunc(f)
+                                                      : std::nearbyint(f);
+      z[i] = static_cast<int32_t>(r);
+    } else if constexpr (s32_float) {
+      z[i] = static_cast<float>(x[i]);  // round to nearest even (exact below 2^24)
+    } else {
+      z[i] = from_f32<T>(to_f32(x[i]));
+    }
+  }
+  op_end();
+}
+
+namespace emu_detail {
+// dst = f(src, scalar) elementwise on PIPE_V.
+template <typename T, typename F>
+void unary_scalar(const LocalTensor<T>& dst, const LocalTensor<T>& src, int32_t count, const char* what, F f) {
+  vec_check(dst, count, what);
+  vec_check(src, count, what);
+  slmoe_emu::op_begin(PIPE_V, what);
+  vec_read(src, count);
+  vec_write(dst, count);
+  const T* x = src.emu_data(what);
+  T* z = dst.emu_data(what);
+  for (int32_t i = 0; i < count; ++i) z[i] = f(x[i]);
+  slmoe_emu::op_end();
+}
+template <typename T>
+void shift_check(const T& bits, const char* what) {
+  static_assert(slmoe_emu::kIsInt16or32<T>, "emulated shifts: (u)int16_t, (u)int32_t (Atlas A2)");
+  if (static_cast<int64_t>(bits) < 0 || static_cast<uint64_t>(bits) > 8 * sizeof(T)) {
+    slmoe_emu::fail("%s: shift %lld outside [0, %zu]", what, static_cast<long long>(bits), 8 * sizeof(T));
+  }
+}
+}  // namespace emu_detail
+
+// dst = src >> scalarValue: logical for unsigned, arithmetic for signed types.
+template <typename T>
+void ShiftRight(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalarValue, const int32_t& count) {
+  emu_detail::shift_check(scalarValue, "ShiftRight");
+  const unsigned n = static_cast<unsigned>(scalarValue);
+  emu_detail::unary_scalar(dst, src, count, "ShiftRight", [n](T v) {
+    if (n < 8 * sizeof(T)) return static_cast<T>(v >> n);
+    if constexpr (std::is_signed<T>::value) return static_cast<T>(v >> (8 * sizeof(T) - 1));
+    return T(0);
+  });
+}
+
+// dst = src << scalarValue.
+template <typename T>
+void ShiftLeft(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalarValue, const int32_t& count) {
+  emu_detail::shift_check(scalarValue, "ShiftLeft");
+  const unsigned n = static_cast<unsigned>(scalarValue);
+  using U = typename std::make_unsigned<T>::type;
+  emu_detail::unary_scalar(dst, src, count, "ShiftLeft", [n](T v) {
+    return n >= 8 * sizeof(T) ? T(0) : static_cast<T>(static_cast<U>(static_cast<U>(v) << n));
+  });
+}
+
+// dst = src0 & src1 (Atlas A2: (u)int16_t; 32-bit words go through ReinterpretCast and twice the count).
+template <typename T>
+void And(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1, const int32_t& count) {
+  static_assert(std::is_same<T, int16_t>::value || std::is_same<T, uint16_t>::value,
+                "And: int16_t / uint16_t on Atlas A2 (ReinterpretCast 32-bit data)");
+  const char* what = "And";
+  emu_detail::vec_check(dst, count, what);
+  emu_detail::vec_check(src0, count, what);
+  emu_detail::vec_check(src1, count, what);
+  slmoe_emu::op_begin(PIPE_V, what);
+  emu_detail::vec_read(src0, count);
+  emu_detail::vec_read(src1, count);
+  emu_detail::vec_write(dst, count);
+  const T* x = src0.emu_data(what);
+  const T* y = src1.emu_data(what);
+  T* z = dst.emu_data(what);
+  for (int32_t i = 0; i < count; ++i) z[i] = static_cast<T>(x[i] & y[i]);
+  slmoe_emu::op_end();
+}
+
+// dst = src + scalarValue (float, int16_t, int32_t).
+template <typename T>
+void Adds(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalarValue, const int32_t& count) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, int16_t>::value || std::is_same<T, int32_t>::value,
+                "emulated Adds: float, int16_t, int32_t");
+  emu_detail::unary_scalar(dst, src, count, "Adds", [&scalarValue](T v) { return static_cast<T>(v + scalarValue); });
+}
+
+// dst[i] = the element of src at byte srcBaseAddr + srcOffset[i] (an element-aligned offset inside
+// src). The reads are data-dependent: each element's block is declared to the race detector.
+template <typename T>
+void Gather(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<uint32_t>& srcOffset,
+            const uint32_t srcBaseAddr, const uint32_t count) {
+  using namespace slmoe_emu;
+  static_assert(kIsInt16or32<T> || kIsB16<T> || std::is_same<T, float>::value,
+                "Gather: (u)int16_t, (u)int32_t, half, bfloat16_t, float on Atlas A2");
+  const char* what = "Gather";
+  emu_detail::vec_check(dst, count, what);
+  emu_detail::vec_check(srcOffset, count, what);
+  require_ub(src, what);
+  op_begin(PIPE_V, what);
+  emu_detail::vec_read(srcOffset, count);
+  const uint32_t* off = srcOffset.emu_data(what);
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint64_t at = static_cast<uint64_t>(srcBaseAddr) + off[i];
+    if (at % sizeof(T) != 0 || at + sizeof(T) > src.emu_ref().bytes) {
+      fail("%s: element %u reads byte %llu of a %u-byte source (or not %zu-byte aligned)", what, i,
+           static_cast<unsigned long long>(at), src.emu_ref().bytes, sizeof(T));
+    }
+    op_local(src.emu_ref(), static_cast<uint32_t>(at), sizeof(T), false);
+  }
+  emu_detail::vec_write(dst, count);
+  const uint8_t* in = reinterpret_cast<const uint8_t*>(src.emu_data(what));
+  T* z = dst.emu_data(what);
+  for (uint32_t i = 0; i < count; ++i) std::memcpy(&z[i], in + srcBaseAddr + off[i], sizeof(T));
   op_end();
 }
 

@@ -103,14 +103,16 @@ struct TensorRef {
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 // Launch and core identity.
-void launch_mix(uint32_t block_dim, const std::function<void()>& kernel);
+void launch_mix(uint32_t block_dim, const std::function<void()>& kernel);  // KERNEL_TYPE_MIX_AIC_1_2
+void launch_aiv(uint32_t block_dim, const std::function<void()>& kernel);  // KERNEL_TYPE_AIV_ONLY: one AIV per block
 void declare_kernel_type(int type);
 bool is_aic();
 bool is_aiv();
 int64_t block_idx();
 int64_t block_num();
 int64_t sub_block_idx();
-int mutation();  // injected bug selected by $SLMOE_EMU_MUTATION (0: none)
+int mutation();  // injected bug selected by $SLMOE_EMU_MUTATION (0: none) or set_mutation
+void set_mutation(int n);
 
 // Global memory the kernel may touch; writable buffers are race-checked. With
 // gm_allow_unregistered(true), addresses outside every registered buffer are accepted unchecked
