@@ -4,14 +4,14 @@ Every weight of the model the base ``config.json`` describes is read from the ba
 either expert layout, FP8 dequantised), gets ``s * B A`` of its LoRA where the adapter has one
 (``hf.lora_mapping``: the same rows the weight tables give), and is written in the layout
 ``save_pretrained`` writes (experts one per key): sharded safetensors written one tensor at a time,
-``model.safetensors.index.json``, ``config.json`` (without the FP8 quantization settings when the
-base had them) and the tokenizer files, staged and renamed into place. A weight the base stores
-packed by compressed-tensors (``<name>_packed`` + ``<name>_scale``: K3's MXFP4 experts, INT4) is
-written packed in its format again: its stored bytes as they are without a LoRA, re-encoded from
-the merged weight with ``ops.quantized_weights`` with one (the config keeps its quantization
-settings then); each re-encoded weight's error against the BF16 merge (what a dequantised export
-would write) is recorded, and per format the count, max and mean of it are written to
-``requantization.json`` beside the shards (:class:`RequantizationReport`). Peak memory: one weight
+``model.safetensors.index.json``, the base's ``config.json`` (its quantization settings kept) and
+the tokenizer files, staged and renamed into place. A weight the base stores quantised is written
+in its format again: packed by compressed-tensors (``<name>_packed`` + ``<name>_scale``: K3's
+MXFP4 experts, INT4) or block-scaled FP8 (``<name>`` in float8_e4m3fn + ``<name>_scale_inv``:
+DeepSeek-V3), its stored bytes as they are without a LoRA, re-encoded from the merged weight with
+``ops.quantized_weights`` with one; each re-encoded weight's error against the BF16 merge (what a
+dequantised export would write) is recorded, and per format the count, max and mean of it are
+written to ``requantization.json`` beside the shards (:class:`RequantizationReport`). Peak memory: one weight
 and its LoRA factors. No process group: the base weights never changed in training, so the base
 checkpoint and the layout-independent adapter file are all it needs.
 """
@@ -26,7 +26,12 @@ from typing import Optional
 import torch
 
 from megatron_slmoe.families.errors import HFCheckpointError
-from megatron_slmoe.hf.checkpoint import PACKED_SCALE_SUFFIX, PACKED_SUFFIX, SliceReader
+from megatron_slmoe.hf.checkpoint import (
+    PACKED_SCALE_SUFFIX,
+    PACKED_SUFFIX,
+    SCALE_SUFFIX,
+    SliceReader,
+)
 from megatron_slmoe.hf.convert import TOKENIZER_FILES
 from megatron_slmoe.hf.loader import HFModel, open_hf_checkpoint
 from megatron_slmoe.hf.lora_mapping import HFLoRA, hf_loras, megatron_lora_modules
@@ -41,9 +46,12 @@ from megatron_slmoe.hf.shared_outer_export import expand_to_per_expert
 from megatron_slmoe.hf.vision_sources import find_source
 from megatron_slmoe.lora.adapter import ADAPTER_WEIGHTS, read_adapter_config
 from megatron_slmoe.ops.quantized_weights import (
+    BLOCK_FP8,
     MXFP4,
+    decode_block_fp8,
     decode_int4,
     decode_mxfp4,
+    encode_block_fp8,
     encode_int4,
     encode_mxfp4,
 )
@@ -188,7 +196,9 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
                 f"another base model?)")
         if info.packed is not None:
             return _packed_weight(key, found, info, lora, checkpoint, reader, source, alpha, report)
-        dtype = torch.bfloat16 if info.is_fp8 else _TORCH_DTYPES[info.dtype]
+        if info.is_fp8:
+            return _fp8_weight(key, found, lora, checkpoint, reader, source, alpha, report)
+        dtype = _TORCH_DTYPES[info.dtype]
 
         def produce(found=found, lora=lora, dtype=dtype):
             weight = reader.read(found.stored, found.index)
@@ -225,7 +235,7 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
 def report_requantization(checkpoint) -> bool:
     """Whether the export of ``checkpoint`` re-encodes weights (it stores packed ones) and so
     writes :data:`REQUANTIZATION_REPORT`."""
-    return any(info.packed for info in checkpoint.tensors.values())
+    return any(info.packed or info.is_fp8 for info in checkpoint.tensors.values())
 
 
 def _packed_weight(key: str, found, info, lora: Optional[HFLoRA], checkpoint, reader, source,
@@ -266,6 +276,40 @@ def _packed_weight(key: str, found, info, lora: Optional[HFLoRA], checkpoint, re
             for name, out in names.items()]
 
 
+def _fp8_weight(key: str, found, lora: Optional[HFLoRA], checkpoint, reader, source,
+                alpha: float, report: RequantizationReport) -> list[PlannedTensor]:
+    """The block-FP8 pair of ``key`` (``key`` and ``key_scale_inv``): the stored bytes without a
+    LoRA where the layout keeps the stored tensor as it is; otherwise the (merged) weight encoded
+    in the checkpoint's blocks, its error recorded in ``report`` (transformers' FP8 loader
+    expects every weight it was quantised with in FP8, so none may be written dequantised)."""
+    block = checkpoint.fp8_block_size()
+    stored_scale = checkpoint.scale_of(found.stored)
+    scale_dtype = _TORCH_DTYPES[checkpoint.tensors[stored_scale].dtype]
+    verbatim = lora is None and not found.transposed and not found.index
+    pending: dict[str, torch.Tensor] = {}
+
+    def produce(name: str) -> torch.Tensor:
+        if not pending:
+            if verbatim:
+                values, scales = reader.read_packed(found.stored)
+            else:
+                weight = reader.read(found.stored, found.index)
+                if found.transposed:
+                    weight = weight.transpose(-1, -2)
+                merged = _merged(weight, lora, source, alpha)
+                values, scales = encode_block_fp8(merged, block)
+                scales = scales.to(scale_dtype)
+                report.add(BLOCK_FP8, key, merged, decode_block_fp8(values, scales, block))
+            pending.update({key: values, key + SCALE_SUFFIX: scales})
+        return pending.pop(name).contiguous()
+
+    rows, cols = found.shape
+    scale_shape = (-(-rows // block[0]), -(-cols // block[1]))
+    return [PlannedTensor(key, torch.float8_e4m3fn, tuple(found.shape), lambda: produce(key)),
+            PlannedTensor(key + SCALE_SUFFIX, scale_dtype, scale_shape,
+                          lambda: produce(key + SCALE_SUFFIX))]
+
+
 def _merged(weight: torch.Tensor, lora: Optional[HFLoRA], source, alpha: float) -> torch.Tensor:
     """``weight`` + s B A of its LoRA (fp32, s = alpha / its rank), or ``weight`` without one."""
     if lora is None:
@@ -296,8 +340,8 @@ def write_hf_checkpoint(output: str, planned: list[PlannedTensor], checkpoint,
                         max_shard_bytes: int, report: Optional[RequantizationReport] = None) -> str:
     """Write ``planned`` (produced one at a time) as an HF checkpoint directory ``output`` (new or
     empty): shards of about ``max_shard_bytes`` and their index, the base ``checkpoint``'s
-    config.json (without FP8 quantization settings: weights are written dequantised) and
-    tokenizer files, and ``report``'s summary (filled while the shards are produced) as
+    config.json (quantised weights are written in their format: its quantization settings hold)
+    and tokenizer files, and ``report``'s summary (filled while the shards are produced) as
     :data:`REQUANTIZATION_REPORT`; staged and renamed into place."""
     shards = _shards(planned, max_shard_bytes)
     output = os.path.abspath(output)
@@ -312,10 +356,7 @@ def write_hf_checkpoint(output: str, planned: list[PlannedTensor], checkpoint,
             write_json_atomic(os.path.join(staging, INDEX), {
                 "metadata": {"total_size": sum(t.nbytes for t in planned)},
                 "weight_map": weight_map})
-        config = dict(checkpoint.config)
-        if not any(info.packed for info in checkpoint.tensors.values()):
-            config.pop("quantization_config", None)  # FP8 weights are written dequantised
-        write_json_atomic(os.path.join(staging, "config.json"), config)
+        write_json_atomic(os.path.join(staging, "config.json"), checkpoint.config)
         if report is not None:
             write_json_atomic(os.path.join(staging, REQUANTIZATION_REPORT), report.summary())
         for name in TOKENIZER_FILES:

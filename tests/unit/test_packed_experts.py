@@ -250,3 +250,55 @@ def test_merged_export_rewrites_int4_experts_and_reports_their_error(checkpoints
     assert json.loads(open(f"{packed_dir}/config.json").read()) == json.loads(
         open(f"{checkpoints['k25-int4'][0]}/config.json").read())
     assert not (tmp_path / "bf16" / REQUANTIZATION_REPORT).exists()
+
+
+def test_merged_export_writes_block_fp8_weights_back_in_their_blocks(checkpoints, lora_step,
+                                                                     tmp_path):
+    # DeepSeek-V3's block-FP8 checkpoint with the adapter of a LoRA run on its MLPs merged: every
+    # adapted FP8 weight is re-encoded in the checkpoint's 16x16 blocks (decoded here by hand, it
+    # is within FP8's rounding of the merge into the dequantised copy of the same checkpoint, and
+    # the report holds exactly those errors), every other FP8 weight is its stored bytes, and the
+    # config keeps its FP8 settings (transformers expects every quantised weight in FP8).
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatron_slmoe.hf.merged_export import REQUANTIZATION_REPORT, export_merged
+    from megatron_slmoe.lora.adapter import save_adapter
+    from megatron_slmoe.lora.config import LoRAConfig
+
+    base_dir = checkpoints["dsv3-fp8"][0]
+    _, _, model = lora_step("dsv3-fp8", "auto")
+    save_adapter([model], str(tmp_path / "adapter"),
+                 LoRAConfig(rank=4, alpha=8.0, targets=["linear_fc1", "linear_fc2"]))
+    fp8_dir = export_merged(str(tmp_path / "adapter"), base_dir, str(tmp_path / "fp8"))
+    bf16_dir = export_merged(str(tmp_path / "adapter"), base_dir + "-dequantized",
+                             str(tmp_path / "bf16"))
+    written, merged = load_file(f"{fp8_dir}/model.safetensors"), load_file(f"{bf16_dir}/model.safetensors")
+    base = load_file(f"{base_dir}/model.safetensors")
+    fp8_keys = sorted(k for k, t in base.items() if t.dtype == torch.float8_e4m3fn)
+    assert sorted(k for k, t in written.items() if t.dtype == torch.float8_e4m3fn) == fp8_keys
+    reference = load_file(f"{base_dir}-dequantized/model.safetensors")
+    errors, kept = [], []
+    for key in fp8_keys:
+        values, scales = written[key], written[key + "_scale_inv"]
+        assert scales.shape == base[key + "_scale_inv"].shape
+        if torch.equal(merged[key], reference[key]):  # no LoRA there: the stored bytes
+            assert torch.equal(values.view(torch.uint8), base[key].view(torch.uint8)), key
+            assert torch.equal(scales, base[key + "_scale_inv"]), key
+            kept.append(key)
+            continue
+        blocks = scales.repeat_interleave(16, 0).repeat_interleave(16, 1)
+        decoded = values.double() * blocks[:values.shape[0], :values.shape[1]].double()
+        want = merged[key].to(torch.bfloat16).double()
+        errors.append(float((decoded - want).norm() / want.norm()))
+    assert all(".mlp." in key for key in set(fp8_keys) - set(kept))
+    report = json.loads(open(f"{fp8_dir}/{REQUANTIZATION_REPORT}").read())
+    stats = report["formats"]["block-fp8"]
+    assert list(report["formats"]) == ["block-fp8"] and stats["weights"] == len(errors) > 0
+    # (the export decodes in fp32, this test in fp64)
+    assert kept and stats["max_rel"] == pytest.approx(max(errors), rel=1e-6)
+    assert stats["mean_rel"] == pytest.approx(sum(errors) / len(errors), rel=1e-6)
+    assert 0 < stats["max_rel"] < 0.05  # e4m3 keeps 3 mantissa bits
+    assert json.loads(open(f"{fp8_dir}/config.json").read()) == json.loads(
+        open(f"{base_dir}/config.json").read())
