@@ -11,7 +11,10 @@
 #   3. the kernel's own source runs on the host emulation (csrc/ascendc/emu/run.sh): the planner's
 #      unit tests, the emulation's self-test against CANN's documented data flow, the emulated
 #      kernel against an fp64 reference (--quick set), the binding on CPU tensors with the emulated
-#      kernel (with torch), and every injected bug, which must be caught. Skip with --no-emu.
+#      kernel (with torch), and every injected bug, which must be caught; with torch, the packed-
+#      weight path (packed_decode_kernel.cpp: MXFP4, INT4, block FP8 dequantised on the vector units,
+#      then the dense kernel) against megatron_slmoe.ops through the shared packed oracle, and its own
+#      injected bugs. Skip with --no-emu.
 #
 # Any compile error, failed check or uncaught injected bug: non-zero exit.
 #
@@ -83,6 +86,9 @@ if [ "$run_emu" = 1 ]; then
         SLMOE_TORCH_LIBDIR=$("$python" -c 'from torch.utils.cpp_extension import library_paths; print(library_paths()[0])')
         SLMOE_TORCH_CXX11_ABI=$("$python" -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
         export SLMOE_TORCH_LIBDIR SLMOE_TORCH_CXX11_ABI
+        export SLMOE_EMU_PYTHON=$python
+    else
+        unset SLMOE_EMU_PYTHON
     fi
     if ! out=$(bash csrc/ascendc/emu/run.sh --quick 2>&1); then
         echo "$out"
@@ -93,6 +99,11 @@ if [ "$run_emu" = 1 ]; then
     echo "compile_ascendc: ok  $(echo "$out" | grep -m1 '^tiling_test:')"
     echo "compile_ascendc: ok  $(echo "$out" | grep -m1 '^api_selftest:')"
     if [ -n "$torch_includes" ]; then echo "compile_ascendc: ok  $(echo "$out" | grep -m1 '^npu_binding_test:')"; fi
-    echo "compile_ascendc: ok  emulated kernel: $(echo "$out" | grep -m1 'cases passed'); $(echo "$out" | tail -n 1) [${SECONDS}s]"
+    echo "compile_ascendc: ok  emulated kernel: $(echo "$out" | grep -m1 'cases passed'); $(echo "$out" | grep -m1 '^injected bugs caught:') [${SECONDS}s]"
+    if [ -n "$torch_includes" ]; then
+        echo "compile_ascendc: ok  emulated packed path vs megatron_slmoe.ops: $(echo "$out" | grep -m1 '^packed oracle:'); $(echo "$out" | grep -m1 '^packed injected bugs caught:')"
+    else
+        echo "compile_ascendc: skipped the packed path's oracle, no Python with torch"
+    fi
 fi
 echo "compile_ascendc: passed in ${SECONDS}s"

@@ -17,4 +17,10 @@ enum class DType : uint32_t { kFloat16 = 0, kBFloat16 = 1 };
 void launch_lora_grouped_gemm(DType dtype, uint32_t blockDim, void* stream, void* const tensors[kNumTensors],
                               void* workspace, const void* tiling_on_device);
 
+// Enqueues the packed-weight decode (packed_decode_kernel.cpp, KERNEL_TYPE_AIV_ONLY, blockDim vector
+// units): the experts a decode tiling (packed_tiling.h's plan_decode) names, from packed/scale into
+// scratch [experts, d_out, d_in] of `dtype`. Does nothing when blockDim is 0.
+void launch_packed_decode(DType dtype, uint32_t blockDim, void* stream, const void* packed, const void* scale,
+                          void* scratch, const void* tiling_on_device);
+
 }  // namespace slmoe_ascend

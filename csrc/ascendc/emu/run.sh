@@ -7,11 +7,16 @@
 #   4. npu_binding_test  (when SLMOE_TORCH_INCLUDES is set) the torch_npu binding on CPU tensors with the
 #                    emulated kernel and stand-ins for its torch_npu / ACL calls, against the ATen math;
 #   5. mutants       (unless --no-mutants) every injected bug below, each of which must make
-#                    emu_test fail; one that passes is reported and fails the run.
+#                    emu_test fail; one that passes is reported and fails the run;
+#   6. packed_oracle.py  (when SLMOE_EMU_PYTHON names a Python with torch) the packed-weight path
+#                    (../packed_decode_kernel.cpp, ../packed_tiling.cpp), built into a shared library
+#                    with packed_shim.cpp, against megatron_slmoe.ops' decode and reference through the
+#                    CUDA emulator's oracle, then its own injected bugs (unless --no-mutants).
 #
 #   bash csrc/ascendc/emu/run.sh [--quick] [--no-mutants]
 # Environment: CXX (default g++), JOBS (parallel compiles, default 2); for step 4 SLMOE_TORCH_INCLUDES
-# (torch's include directories, space-separated), SLMOE_TORCH_LIBDIR, SLMOE_TORCH_CXX11_ABI (0/1).
+# (torch's include directories, space-separated), SLMOE_TORCH_LIBDIR, SLMOE_TORCH_CXX11_ABI (0/1);
+# for step 6 SLMOE_EMU_PYTHON.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/.." && pwd)
@@ -60,9 +65,15 @@ CXX=${CXX:-g++}
 jobs=${JOBS:-2}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-flags=(-std=c++17 -O2 -Wall -Wextra -Werror -DSLMOE_ASCEND_EMU -I"$here/include" -I"$src" -include slmoe_mutant.h)
+# -fPIC: the same objects make the packed oracle's shared library.
+flags=(-std=c++17 -O2 -fPIC -Wall -Wextra -Werror -DSLMOE_ASCEND_EMU -I"$here/include" -I"$src" -include slmoe_mutant.h)
 sources=("$src/lora_expert_kernel.cpp" "$src/lora_tiling.cpp" "$here/ascendc_emu.cpp" "$here/emu_test.cpp"
          "$here/tiling_test.cpp" "$here/api_selftest.cpp")
+packed=0
+if [ -n "${SLMOE_EMU_PYTHON:-}" ]; then
+    packed=1
+    sources+=("$src/packed_decode_kernel.cpp" "$src/packed_tiling.cpp" "$here/packed_shim.cpp")
+fi
 binding=0
 if [ -n "${SLMOE_TORCH_INCLUDES:-}" ]; then binding=1; fi
 pids=()
@@ -92,6 +103,13 @@ if [ "$binding" = 1 ]; then
     "$CXX" "$out/npu_binding_test.o" "$out/lora_expert_kernel.o" "$out/lora_tiling.o" "$out/ascendc_emu.o" \
         -L"$SLMOE_TORCH_LIBDIR" -Wl,-rpath,"$SLMOE_TORCH_LIBDIR" -ltorch -ltorch_cpu -lc10 -o "$out/npu_binding_test"
     "$out/npu_binding_test"
+fi
+if [ "$packed" = 1 ]; then
+    "$CXX" -shared "$out/packed_decode_kernel.o" "$out/packed_tiling.o" "$out/packed_shim.o" \
+        "$out/lora_expert_kernel.o" "$out/lora_tiling.o" "$out/ascendc_emu.o" -o "$out/libslmoe_ascend_emu.so"
+    oracle_args=()
+    if [ "$mutants" = 0 ]; then oracle_args+=(--no-mutants); fi
+    "$SLMOE_EMU_PYTHON" "$here/packed_oracle.py" "$out/libslmoe_ascend_emu.so" "${oracle_args[@]}"
 fi
 
 if [ "$mutants" = 1 ]; then
