@@ -69,7 +69,8 @@ def _k3_args(hf_dir, output, *extra: str, steps: int = STEPS, answers: int = 0) 
 def _run(args: list[str]) -> dict:
     """The run (the entry point's engine): the loss of every step it takes, its held-out losses
     before and after, and this rank's share of the held-out answers after training as token ids
-    (each prompt's ids, generation limit and answer, as the run's generator saw them)."""
+    (each prompt, generation limit and answer, as the run's generator saw them: a text prompt's
+    ids, an image-text prompt's ``GenerationPrompt``)."""
     import megatron_slmoe
     from megatron_slmoe.inference.generator import TextGenerator
     from megatron_slmoe.training.callbacks.base import Callback
@@ -88,7 +89,9 @@ def _run(args: list[str]) -> dict:
         tokens = generate(self, prompts, max_new_tokens, *rest, **options)
         limits = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
                   else list(max_new_tokens))
-        answered.append([(list(p), m, t) for p, m, t in zip(prompts, limits, tokens)])
+        # A text prompt is its ids; an image-text prompt the generator's own (ids and images).
+        answered.append([(p if hasattr(p, "tokens") else list(p), m, t)
+                         for p, m, t in zip(prompts, limits, tokens)])
         return tokens
 
     TextGenerator.generate = recorded  # this rank process's, for this run only

@@ -3,13 +3,16 @@ tower and projector (6 text layers, KDA and gated NoPE MLA on both sides of the 
 Attention Residual blocks of 2 so the bank crosses it mid-block), a ChatML tokenizer holding K3's
 media tokens and the release's processor settings:
 
-- under PP=2 (the tower on the first stage) its image+text logits are one rank's;
+- under PP=2 (the tower on the first stage) its image+text logits and its video+text logits
+  (a clip's 4-frame chunks through the tower, time embedding and pooling) are one rank's;
 - ``--task image-text --hf-checkpoint`` under EP=2 on the shapes questions, LoRA on K3's text
   modules, the tower's attention and the projector: the held-out loss before training is the
   plain references' (tests/helpers/kimi_k3_reference.py fed tests/helpers/moonvit3d_reference.py's
   features at the ``<|media_pad|>`` positions), four steps lower it, and the run's PEFT export
   (the release's names, the tower's and projector's LoRA included) loaded by PEFT onto the plain
-  references gives the run's held-out loss after training.
+  references gives the run's held-out loss after training and, decoding greedily in fp64 with the
+  tower's features at the placeholders, the run's held-out answers after training (our
+  generator, KV cache and the images in it) token for token.
 """
 
 import copy
@@ -30,6 +33,7 @@ from tests.helpers.ranks import run_ranks
 
 SEQ = 128  # a shapes question in this tokenizer and its image's 4 merged patches
 GLOBAL_BATCH, STEPS = 4, 4
+ANSWERS = 2  # held-out questions answered, one per data-parallel rank at EP=2
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +94,30 @@ def _reference_loss(text, vision_state, config, pad, batches) -> float:
     return sum(per_micro_batch) / len(per_micro_batch)
 
 
+def _reference_answer(text, vision_state, config, pad, prompt, limit: int, eos: int,
+                      vocab: int) -> list[int]:
+    """Greedy decoding of the plain references (fp64, the whole sequence recomputed for every
+    token) on one of the run's prompts (a ``GenerationPrompt``): the tower's and projector's
+    features at the prompt's placeholders, generated tokens embedded as text; the run's limit
+    and eos (cut), never an id of the model's vocabulary padding (at or above ``vocab``)."""
+    state = {k: v.double() for k, v in vision_state.items()}
+    with torch.no_grad():
+        features = vision_ref.projector(state, config, vision_ref.tower(
+            state, config, prompt.images.double(), prompt.image_grid_thw))
+    prompt_ids = torch.tensor(prompt.tokens)
+    media = torch.nonzero(prompt_ids == pad).flatten()
+    assert len(media) == len(features)
+
+    def logits(ids):
+        embeds = text.language_model.model.embed_tokens(ids.index_fill(1, media, 0))
+        embeds[0, media] = features
+        return text(inputs_embeds=embeds)[..., :vocab]
+
+    with torch.no_grad():
+        (answer,) = k3ref.greedy_decode(logits, [prompt.tokens], limit, eos)
+    return answer[:-1] if answer[-1:] == [eos] else answer
+
+
 def _modules_of(state: dict) -> nn.Module:
     """The tower's and projector's tensors as plain modules under their release names (every
     2-D ``*.weight`` an ``nn.Linear``, the rest plain parameters), for PEFT to adapt."""
@@ -113,36 +141,56 @@ def _modules_of(state: dict) -> nn.Module:
     return root
 
 
-def _logits(hf_dir: str, inputs: dict):
-    return hf_models.kimi_import_and_run(hf_dir, inputs)[0]
+def _logits(hf_dir: str, batches: list[dict]) -> list:
+    """This rank's logits of each batch (None off the last stage), one model loaded once."""
+    model, _ = hf_models.load_kimi(hf_dir)
+    return [hf_models.megatron_logits(model, b["input_ids"], pixel_values=b["pixel_values"],
+                                      image_grid_thw=b["image_grid_thw"]) for b in batches]
 
 
-def test_k3_image_text_logits_at_pp2_are_one_ranks(k3_vl):
-    hf_dir, text, _, _, pad = k3_vl
-    grids = torch.tensor([[1, 4, 6], [1, 6, 4]])
+def _media_batch(pad: int, rows: list, gen: torch.Generator) -> dict:
+    """A batch of text and media: per row, its text lengths (before the first item and after
+    each) and its items' patch grids ``(t, h, w)``; random text ids, one placeholder per 2 x 2
+    merge of one frame (a video chunk's frames are pooled into one) and random pixels."""
+    ids, grids = [], []
+    for text_lengths, items in rows:
+        row = [torch.randint(0, pad, (text_lengths[0],), generator=gen)]
+        for (t, h, w), after in zip(items, text_lengths[1:]):
+            row += [torch.full((h * w // 4,), pad), torch.randint(0, pad, (after,), generator=gen)]
+            grids.append([t, h, w])
+        ids.append(torch.cat(row))
+    grids = torch.tensor(grids)
+    return {"input_ids": torch.stack(ids), "image_grid_thw": grids,
+            "pixel_values": torch.randn(int(grids.prod(-1).sum()), 3, 14, 14, generator=gen)}
+
+
+def test_k3_image_and_video_text_logits_at_pp2_are_one_ranks(k3_vl):
+    hf_dir, _, _, _, pad = k3_vl
     gen = torch.Generator().manual_seed(3)
-    rows = [torch.cat([torch.randint(0, pad, (2,), generator=gen), torch.full((6,), pad),
-                       torch.randint(0, pad, (4,), generator=gen)]) for _ in grids]
-    patches = int(grids.prod(-1).sum())
-    inputs = {"input_ids": torch.stack(rows), "image_grid_thw": grids,
-              "pixel_values": torch.randn(patches, 3, 14, 14, generator=gen)}
-    (expected,) = run_ranks(_logits, 1, hf_dir=str(hf_dir), inputs=inputs)
-    results = run_ranks(_logits, 2, pp=2, hf_dir=str(hf_dir), inputs=inputs)
-    assert results[0] is None
-    torch.testing.assert_close(results[1], expected, rtol=1e-6, atol=1e-6)
+    images = _media_batch(pad, [((2, 4), [(1, 4, 6)]), ((2, 4), [(1, 6, 4)])], gen)
+    # Two clips as K3's processor cuts them: 9 frames of 2 x 4 patches in 4-frame chunks (the
+    # last keeps the rest), and 4 frames of 4 x 6; the chunks' texts (timestamps) as plain ids.
+    videos = _media_batch(pad, [((3, 2, 2, 3), [(4, 2, 4), (4, 2, 4), (1, 2, 4)]),
+                                ((7, 3), [(4, 4, 6)])], gen)
+    (expected,) = run_ranks(_logits, 1, hf_dir=str(hf_dir), batches=[images, videos])
+    results = run_ranks(_logits, 2, pp=2, hf_dir=str(hf_dir), batches=[images, videos])
+    assert results[0] == [None, None]
+    for ours, theirs in zip(results[1], expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
 def test_k3_image_text_lora_and_its_peft_adapter_on_the_references(k3_vl, tmp_path):
     from peft import PeftModel
 
     from megatron_slmoe.data.shapes import ensure_shapes_task
+    from megatron_slmoe.data.tokenizer import load_tokenizer
 
     hf_dir, text, vision_state, config, pad = k3_vl
     output, peft_dir = tmp_path / "run", tmp_path / "peft"
     args = ["--hf-checkpoint", str(hf_dir), "--task", "image-text", "--seq-length", str(SEQ),
             "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", str(MICRO_BATCH),
             "--train-iters", str(STEPS), "--lr", "1e-2", "--lr-warmup-iters", "0",
-            "--eval-iters", "1", "--eval-interval", "1000", "--eval-answers", "0",
+            "--eval-iters", "1", "--eval-interval", "1000", "--eval-answers", str(ANSWERS),
             "--lora-rank", "4", "--fp32", "--no-tensorboard", "--no-plots",
             "--expert-model-parallel-size", "2",
             "--lora-target-modules", *TARGETS, "vision_attention", "projector",
@@ -153,6 +201,7 @@ def test_k3_image_text_lora_and_its_peft_adapter_on_the_references(k3_vl, tmp_pa
     batches = _held_out_batches(hf_dir, output / "data" / "shapes" / "vqa")
     assert all((b["tokens"] == pad).any() for b in batches)
     results = run_ranks(_run, 2, ep=2, args=args, timeout=600.0)
+    answers = [row for r in results for row in r.pop("answers")]  # each DP rank's share
     assert results[0] == results[1]  # every rank reports the reduced losses
     run = results[0]
     assert sorted(run["losses"]) == list(range(1, STEPS + 1))
@@ -176,6 +225,14 @@ def test_k3_image_text_lora_and_its_peft_adapter_on_the_references(k3_vl, tmp_pa
     assert state.keys() == vision_state.keys()
     assert run["after"] == pytest.approx(
         _reference_loss(reference, state, config, pad, batches), rel=1e-5)
+    # The held-out answers after training, each prompt with its image, are the adapted
+    # references' greedy answers.
+    tokenizer = load_tokenizer(str(hf_dir))
+    assert len(answers) == ANSWERS and any(tokens for _, _, tokens in answers)
+    for prompt, limit, ours in answers:
+        assert (prompt.tokens.count(pad) > 0 and ours == _reference_answer(
+            reference, state, config, pad, prompt, limit, tokenizer.eos_id,
+            tokenizer.vocab_size)), prompt.tokens
     # The tower's and projector's adapters matter to it (the same without them is far off).
     unadapted = {k: v.double() for k, v in vision_state.items()}
     assert abs(_reference_loss(reference, unadapted, config, pad, batches)
