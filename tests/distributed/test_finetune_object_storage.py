@@ -24,7 +24,6 @@ import pytest
 import yaml
 
 from tests.helpers.entry_point import losses as _losses
-from tests.helpers.entry_point import make_tiny_base
 from tests.helpers.s3_server import S3TestServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,12 +43,11 @@ DATA_KEYS = ["data/train/part-000.jsonl", "data/train/part-001.jsonl", "data/eva
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = make_tiny_base(tmp_path_factory.mktemp("base"))  # LoRA adapts a trained base
+def server(tiny_base):
     with S3TestServer() as server:
         client = server.client()
         client.create_bucket(Bucket=BUCKET)
-        server.upload_folder(BUCKET, "base/", base)
+        server.upload_folder(BUCKET, "base/", tiny_base)  # LoRA adapts a trained base
         lines = (ASSETS / "digits_train.jsonl").read_text().splitlines(keepends=True)
         half = len(lines) // 2
         for key, body in [(DATA_KEYS[0], "".join(lines[:half])), (DATA_KEYS[1], "".join(lines[half:])),

@@ -12,7 +12,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -72,19 +71,6 @@ def slurm_env():
         shutil.rmtree(directory, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    root = tmp_path_factory.mktemp("slurm-base")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-         "-m", "megatron_slmoe.training.finetune", *TINY, "--finetune-mode", "full",
-         "--data-format", "pretrain", "--train-iters", "1", "--output-dir", str(root / "run"),
-         "--save-base", str(root / "base")],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return root / "base"
-
-
 def _job_field(env, job_id, name):
     out = _slurm(["scontrol", "show", "job", job_id], env).stdout
     match = re.search(rf"\b{name}=(\S+)", out)
@@ -92,7 +78,7 @@ def _job_field(env, job_id, name):
 
 
 @pytest.fixture(scope="module")
-def requeued_job(slurm_env, base, tmp_path_factory):
+def requeued_job(slurm_env, tiny_base, tmp_path_factory):
     """Submit a 6-step LoRA job on both nodes, send it USR1 once its first checkpoint is saved,
     and wait until the requeued job has finished."""
     work = tmp_path_factory.mktemp("slurm-job")
@@ -101,8 +87,8 @@ def requeued_job(slurm_env, base, tmp_path_factory):
     started = time.time()
     submit = _slurm(["sbatch", "--parsable", "--job-name", f"slmoe-ci-{os.getpid()}",
                      "--output", str(log), "scripts/slurm/pretrain_lora_cpu.sbatch", *TINY,
-                     "--base-checkpoint", str(base), "--train-iters", "6", "--save-interval", "2",
-                     "--lora-rank", "4"], env, cwd=REPO)
+                     "--base-checkpoint", str(tiny_base), "--train-iters", "6",
+                     "--save-interval", "2", "--lora-rank", "4"], env, cwd=REPO)
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
     try:
