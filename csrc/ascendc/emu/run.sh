@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the AscendC kernel (../lora_expert_kernel.cpp) unchanged as host C++ against the emulation
 # in this folder (g++ only, no CANN) and runs, in order:
-#   1. tiling_test   the host planner's unit tests (../lora_tiling.cpp);
+#   1. tiling_test   the host planners' unit tests (../lora_tiling.cpp, ../packed_tiling.cpp);
 #   2. api_selftest  the emulation against CANN's documented Mmad data flow (independent of the kernel);
 #   3. emu_test      the emulated kernel against an fp64 reference (--quick: fewer large cases);
 #   4. npu_binding_test  (when SLMOE_TORCH_INCLUDES is set) the torch_npu binding on CPU tensors with the
@@ -68,11 +68,11 @@ trap 'rm -rf "$out"' EXIT
 # -fPIC: the same objects make the packed oracle's shared library.
 flags=(-std=c++17 -O2 -fPIC -Wall -Wextra -Werror -DSLMOE_ASCEND_EMU -I"$here/include" -I"$src" -include slmoe_mutant.h)
 sources=("$src/lora_expert_kernel.cpp" "$src/lora_tiling.cpp" "$here/ascendc_emu.cpp" "$here/emu_test.cpp"
-         "$here/tiling_test.cpp" "$here/api_selftest.cpp")
+         "$here/tiling_test.cpp" "$here/api_selftest.cpp" "$src/packed_tiling.cpp")
 packed=0
 if [ -n "${SLMOE_EMU_PYTHON:-}" ]; then
     packed=1
-    sources+=("$src/packed_decode_kernel.cpp" "$src/packed_tiling.cpp" "$here/packed_shim.cpp")
+    sources+=("$src/packed_decode_kernel.cpp" "$here/packed_shim.cpp")
 fi
 binding=0
 if [ -n "${SLMOE_TORCH_INCLUDES:-}" ]; then binding=1; fi
@@ -92,7 +92,7 @@ for s in "${sources[@]}"; do
     compile "$CXX" "${flags[@]}" -x c++ -c "$s" -o "$out/$(basename "$s" .cpp).o"
 done
 for p in "${pids[@]}"; do wait "$p"; done
-"$CXX" "$out/tiling_test.o" "$out/lora_tiling.o" "$out/ascendc_emu.o" -o "$out/tiling_test"
+"$CXX" "$out/tiling_test.o" "$out/lora_tiling.o" "$out/packed_tiling.o" "$out/ascendc_emu.o" -o "$out/tiling_test"
 "$CXX" "$out/api_selftest.o" "$out/ascendc_emu.o" -o "$out/api_selftest"
 "$CXX" "$out/emu_test.o" "$out/lora_expert_kernel.o" "$out/lora_tiling.o" "$out/ascendc_emu.o" -o "$out/emu_test"
 

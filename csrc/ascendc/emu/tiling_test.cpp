@@ -18,12 +18,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "../lora_tiling.h"
+#include "../packed_tiling.h"
 
 namespace {
 
@@ -373,6 +375,87 @@ int main() {
       refused = std::string(e.what()).find("too small") != std::string::npos;
     }
     CHECK(refused, "plan_forward refuses L0A of 512 bytes");
+  }
+
+  // The packed path's planner (../packed_tiling.cpp) at production shapes: the decode of every format
+  // fits the unified buffer at kPackedMaxWidth, its segments tile each row exactly (on scale-block
+  // edges when a row takes several), and the chunk loop covers every expert and row once.
+  {
+    struct Fmt {
+      const char* name;
+      PackedWeightDesc w;
+    };
+    auto desc = [](PackedFormat f, ScaleType s, uint32_t br, uint32_t bc) {
+      PackedWeightDesc w;
+      w.format = f, w.scaleType = s, w.blockRows = br, w.blockCols = bc;
+      return w;
+    };
+    const Fmt fmts[] = {{"mxfp4", desc(kPackedMxfp4, kScaleF32, 1, 32)},
+                        {"int4_g32_bf16", desc(kPackedInt4, kScaleBf16, 1, 32)},
+                        {"int4_g128_f32", desc(kPackedInt4, kScaleF32, 1, 128)},
+                        {"fp8_128x128", desc(kPackedBlockFp8, kScaleF32, 128, 128)},
+                        {"fp8_16x100", desc(kPackedBlockFp8, kScaleF32, 16, 100)}};
+    const HwCaps caps = a2();
+    for (const Fmt& f : fmts) {
+      for (Sizes sz : {Sizes{7168, 2048}, Sizes{3072, 3584}, Sizes{3584, 3072}, Sizes{256, 40}}) {
+        g_context = std::string("packed ") + f.name + " " + std::to_string(sz.d_in) + "x" + std::to_string(sz.d_out);
+        DecodePlan plan;
+        const std::vector<int64_t> counts = {3, 0, 5};
+        const std::string err = plan_decode(f.w, sz.d_out, sz.d_in, 0, 3, counts.data(), caps, kPackedMaxWidth, &plan);
+        CHECK(err.empty(), "refused: %s", err.c_str());
+        if (!err.empty()) continue;
+        PackedDecodeTiling h;
+        std::memcpy(&h, plan.tiling.data(), sizeof h);
+        const PackedCalcLayout calc = PackedCalcLayoutOf(h.width, h.planeWords, h.scaleSpan);
+        const uint64_t ub = calc.total + 2ull * (h.ubPackedBytes + h.ubScaleBytes + Align32Bytes(h.width * 2));
+        CHECK(ub <= caps.ubBytes, "UB %llu", static_cast<unsigned long long>(ub));
+        CHECK(h.width <= kPackedMaxWidth && static_cast<uint64_t>(h.segmentsPerRow) * h.width >= h.dIn &&
+                  static_cast<uint64_t>(h.segmentsPerRow - 1) * h.width < h.dIn,
+              "segments of %u columns x %u", h.width, h.segmentsPerRow);
+        CHECK(h.segmentsPerRow == 1 || h.width % h.blockCols == 0, "segments start on scale blocks");
+        CHECK(h.scaleSpan * h.blockCols >= h.width, "scale span %u", h.scaleSpan);
+        const uint32_t* decode = reinterpret_cast<const uint32_t*>(plan.tiling.data() + h.decodeOffset);
+        CHECK(decode[0] == 1 && decode[1] == 0 && decode[2] == 1, "experts with rows decoded, the empty one not");
+        CHECK(plan.blockDim == std::min<uint64_t>(2ull * caps.numAic, 2ull * sz.d_out * h.segmentsPerRow),
+              "vector units %u", plan.blockDim);
+      }
+    }
+    g_context = "packed refusals";
+    DecodePlan plan;
+    CHECK(!plan_decode(desc(kPackedInt4, kScaleBf16, 1, 48), 8, 96, 0, 1, nullptr, caps, kPackedMaxWidth, &plan).empty(),
+          "INT4 group 48 refused");
+    CHECK(!plan_decode(desc(kPackedMxfp4, kScaleF32, 1, 32), 8, 80, 0, 1, nullptr, caps, kPackedMaxWidth, &plan).empty(),
+          "MXFP4 width 80 refused");
+    CHECK(!plan_decode(desc(kPackedBlockFp8, kScaleF32, 128, 2000), 8, 7168, 0, 1, nullptr, caps, kPackedMaxWidth, &plan)
+               .empty(),
+          "FP8 blocks of 2000 columns on 7168-wide rows refused");
+
+    g_context = "packed chunks";
+    const std::vector<int64_t> counts = {0, 5, 0, 0, 7, 3, 0};
+    LoraDims d;
+    d.E = static_cast<int64_t>(counts.size());
+    d.T = 15, d.d_in = 64, d.d_out = 40, d.r = 8;
+    for (int64_t chunk : {1, 2, 3, 7}) {
+      std::vector<PackedStep> fwd, bwd, bwd_no_dx;
+      const PackedWeightDesc w = fmts[0].w;
+      CHECK(plan_packed_forward(d, counts.data(), w, chunk, caps, kPackedMaxWidth, &fwd).empty(), "forward plan");
+      CHECK(plan_packed_backward(d, counts.data(), w, chunk, false, true, true, true, caps, kPackedMaxWidth, &bwd).empty(),
+            "backward plan");
+      CHECK(plan_packed_backward(d, counts.data(), w, chunk, false, false, true, true, caps, kPackedMaxWidth, &bwd_no_dx)
+                .empty(),
+            "backward plan without dx");
+      CHECK(static_cast<int64_t>(bwd.size()) == (d.E + chunk - 1) / chunk, "backward: every chunk (zero dA/dB)");
+      int64_t rows = 0, next = 0;
+      for (const PackedStep& s : bwd) {
+        CHECK(s.e0 == next && s.row0 == rows, "chunk at expert %lld row %lld", (long long)s.e0, (long long)s.row0);
+        CHECK((s.decode.blockDim > 0) == (s.rows > 0), "backward decodes exactly the chunks with rows");
+        next = s.e0 + s.experts;
+        rows += s.rows;
+      }
+      CHECK(next == d.E && rows == d.T, "chunks cover %lld experts, %lld rows", (long long)next, (long long)rows);
+      for (const PackedStep& s : fwd) CHECK(s.rows > 0 && s.decode.blockDim > 0, "forward: chunks with rows only");
+      for (const PackedStep& s : bwd_no_dx) CHECK(s.decode.blockDim == 0, "no dx: no decode");
+    }
   }
 
   std::printf("tiling_test: %d checks over %d plans, %d failed\n", g_checks, plans, g_failures);
