@@ -4,7 +4,8 @@ Attention Residual blocks of 2 so the bank crosses it mid-block), a ChatML token
 media tokens and the release's processor settings:
 
 - under PP=2 (the tower on the first stage) its image+text logits and its video+text logits
-  (a clip's 4-frame chunks through the tower, time embedding and pooling) are one rank's;
+  (clips' 4-frame chunks through the tower, time embedding and pooling) are one rank's, and
+  under EP=2 its video+text logits;
 - ``--task image-text --hf-checkpoint`` under EP=2 on the shapes questions, LoRA on K3's text
   modules, the tower's attention and the projector: the held-out loss before training is the
   plain references' (tests/helpers/kimi_k3_reference.py fed tests/helpers/moonvit3d_reference.py's
@@ -164,7 +165,7 @@ def _media_batch(pad: int, rows: list, gen: torch.Generator) -> dict:
             "pixel_values": torch.randn(int(grids.prod(-1).sum()), 3, 14, 14, generator=gen)}
 
 
-def test_k3_image_and_video_text_logits_at_pp2_are_one_ranks(k3_vl):
+def test_k3_image_and_video_text_logits_at_pp2_and_ep2_are_one_ranks(k3_vl):
     hf_dir, _, _, _, pad = k3_vl
     gen = torch.Generator().manual_seed(3)
     images = _media_batch(pad, [((2, 4), [(1, 4, 6)]), ((2, 4), [(1, 6, 4)])], gen)
@@ -177,6 +178,10 @@ def test_k3_image_and_video_text_logits_at_pp2_are_one_ranks(k3_vl):
     assert results[0] == [None, None]
     for ours, theirs in zip(results[1], expected):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    # EP=2 (images there: the LoRA run below), on both replicas. Each expert's matmuls take
+    # both replicas' tokens there, rounding otherwise: 1.5e-6 apart at most, held to 1e-5.
+    for ours in run_ranks(_logits, 2, ep=2, hf_dir=str(hf_dir), batches=[videos]):
+        torch.testing.assert_close(ours[0], expected[1], rtol=1e-5, atol=1e-5)
 
 
 def test_k3_image_text_lora_and_its_peft_adapter_on_the_references(k3_vl, tmp_path):
