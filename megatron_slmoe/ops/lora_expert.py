@@ -209,18 +209,19 @@ tests/unit/test_plan_packed_scratch.py; the planner prices that scratch (``plan.
 def packed_grouped_fwd(x_TD, weight: PackedWeight, lora_a_ERD, lora_b_EOR, counts, scaling,
                        lora_x_TD=None, probs_T=None):
     """(y [T, d_out], h [T, r]) of the grouped LoRA linear over packed W, as the native
-    ``lora_grouped_linear_packed_fwd`` returns them: per expert, W_e decoded into a scratch tile of
-    x's dtype, the dense GEMM, the LoRA shrink and expand, the row scale; the tile is then dropped."""
+    ``lora_grouped_linear_packed_fwd`` returns them: per expert, W_e decoded into the call's one
+    scratch tile of x's dtype, the dense GEMM, the LoRA shrink and expand, the row scale."""
     lora_x_TD = x_TD if lora_x_TD is None else lora_x_TD
     y_TO = x_TD.new_empty(x_TD.shape[0], weight.matrix_shape[0])
     h_TR = x_TD.new_empty(x_TD.shape[0], lora_a_ERD.shape[1])
+    scratch = x_TD.new_empty(weight.matrix_shape)
     off = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         rows = slice(off, off + n)
         off += n
-        w_OD = weight[e].decode(x_TD.dtype)  # the scratch tile
+        w_OD = weight[e].decode_into(scratch)
         torch.mm(lora_x_TD[rows], lora_a_ERD[e].T, out=h_TR[rows])
         torch.mm(x_TD[rows], w_OD.T, out=y_TO[rows])
         y_TO[rows].addmm_(h_TR[rows], lora_b_EOR[e].T, alpha=scaling)
@@ -233,9 +234,11 @@ def packed_grouped_bwd(grad_y_TO, lora_x_TD, weight: PackedWeight, lora_a_ERD, l
                        counts, scaling, lora_mask_TD=None, output_mask=(True, True, True),
                        probs_T=None):
     """(g, dA, dB) as the native ``lora_grouped_linear_packed_bwd`` returns them (g without the row
-    scale, see csrc/bindings.cpp); W_e is decoded again, into a scratch tile, where g needs it."""
+    scale, see csrc/bindings.cpp); W_e is decoded again, into the call's scratch tile, where g
+    needs it."""
     need_dx, need_da, need_db = output_mask
     E, r = lora_a_ERD.shape[:2]
+    scratch = grad_y_TO.new_empty(weight.matrix_shape) if need_dx else None
     g_TD = grad_y_TO.new_empty(lora_x_TD.shape) if need_dx else None
     da_ERD = torch.zeros_like(lora_a_ERD) if need_da else None
     db_EOR = torch.zeros_like(lora_b_EOR) if need_db else None
@@ -257,7 +260,7 @@ def packed_grouped_bwd(grad_y_TO, lora_x_TD, weight: PackedWeight, lora_a_ERD, l
         if need_da:
             torch.mm((dh_nR if p_n1 is None else dh_nR * p_n1).T, lora_x_TD[rows], out=da_ERD[e])
         if need_dx:
-            w_OD = weight[e].decode(grad_y_TO.dtype)  # recomputed, never kept from forward
+            w_OD = weight[e].decode_into(scratch)  # recomputed, never kept from forward
             torch.mm(dy_nO, w_OD, out=g_TD[rows])
             lora_g = dh_nR @ lora_a_ERD[e]
             g_TD[rows] += lora_g if lora_mask_TD is None else lora_g * lora_mask_TD[rows]
@@ -441,8 +444,13 @@ def lora_expert_mlp(
 # per expert, so its gradient is one GEMM too; the per-expert factors are grouped per expert.
 
 
-def _frozen_tile(weight, e: int, dtype: torch.dtype) -> torch.Tensor:
-    return weight[e].decode(dtype) if isinstance(weight, PackedWeight) else weight[e]
+def _scratch_tile(weight, like: torch.Tensor):
+    """The one tile a call decodes a packed W's experts into (None for a dense W)."""
+    return like.new_empty(weight.matrix_shape) if isinstance(weight, PackedWeight) else None
+
+
+def _frozen_tile(weight, e: int, scratch) -> torch.Tensor:
+    return weight[e] if scratch is None else weight[e].decode_into(scratch)
 
 
 class FrozenGroupedLinear(torch.autograd.Function):
@@ -452,10 +460,11 @@ class FrozenGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, weight, counts):
         y_TO = x_TD.new_empty(x_TD.shape[0], weight.shape[1])
+        scratch = _scratch_tile(weight, x_TD)
         off = 0
         for e, n in enumerate(counts):
             if n:
-                torch.mm(x_TD[off:off + n], _frozen_tile(weight, e, x_TD.dtype).T,
+                torch.mm(x_TD[off:off + n], _frozen_tile(weight, e, scratch).T,
                          out=y_TO[off:off + n])
             off += n
         ctx.weight, ctx.counts = weight, counts  # frozen: held by its module anyway
@@ -467,10 +476,11 @@ class FrozenGroupedLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None
         dx_TD = grad_y_TO.new_empty(grad_y_TO.shape[0], ctx.weight.shape[2])
+        scratch = _scratch_tile(ctx.weight, grad_y_TO)
         off = 0
         for e, n in enumerate(ctx.counts):
             if n:
-                torch.mm(grad_y_TO[off:off + n], _frozen_tile(ctx.weight, e, grad_y_TO.dtype),
+                torch.mm(grad_y_TO[off:off + n], _frozen_tile(ctx.weight, e, scratch),
                          out=dx_TD[off:off + n])
             off += n
         return dx_TD, None, None

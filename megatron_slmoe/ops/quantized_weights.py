@@ -59,6 +59,27 @@ E2M1_VALUES = _E2M1 + tuple(-v for v in _E2M1)
 _E8M0_FACTORS = tuple(math.ldexp(1.0, s - 127) for s in range(255)) + (math.nan,)
 
 
+DECODE_CHUNK_VALUES = 1 << 18
+"""Values one step of :meth:`PackedWeight.decode_into` decodes (whole scale-block rows, at least
+one block of rows)."""
+_DECODE_BYTES_PER_VALUE = 24
+"""An upper bound of the bytes per value a decode's intermediates hold at their peak, over the
+formats (MXFP4: int64 table indices, fp32 values and products, the cast), held to the measured
+peak by tests/unit/test_packed_decode_scratch.py."""
+
+
+def decode_step_rows(rows: int, cols: int, block_rows: int = 1) -> int:
+    """Rows one step of :meth:`PackedWeight.decode_into` decodes: whole scale blocks of
+    ``block_rows`` rows, about :data:`DECODE_CHUNK_VALUES` values, at most the weight's ``rows``."""
+    return min(rows, max(block_rows, DECODE_CHUNK_VALUES // cols // block_rows * block_rows))
+
+
+def decode_chunk_bytes(rows: int, cols: int, block_rows: int = 1) -> int:
+    """Bytes one step of :meth:`PackedWeight.decode_into` holds besides the tile, for a weight
+    [rows, cols] whose scale blocks span ``block_rows`` rows."""
+    return decode_step_rows(rows, cols, block_rows) * cols * _DECODE_BYTES_PER_VALUE
+
+
 class QuantizedWeightError(InputError, ValueError):
     """A packed weight that cannot be decoded as its format says; the message is one line."""
 
@@ -494,6 +515,22 @@ class PackedWeight:
         if self.format == INT4:
             return decode_int4(self.packed, self.scale, self.block[1], dtype)
         return decode_block_fp8(self.packed, self.scale, self.block, dtype)
+
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Decode this single [out, in] weight into the tile ``out`` (its dtype), rows of about
+        :data:`DECODE_CHUNK_VALUES` values at a time: the decode's integer and fp32 intermediates
+        stay a chunk's, not a tile's (a whole-tile decode holds 7-11 tiles' worth at its peak),
+        so a pure-torch caller holds one scratch tile plus :func:`decode_chunk_bytes`."""
+        if self.lead_shape or tuple(out.shape) != tuple(self.matrix_shape):
+            raise QuantizedWeightError(f"{self.name}: decode_into takes one [out, in] weight and a "
+                                       f"tile of its shape, not {list(self.logical_shape)} into "
+                                       f"{list(out.shape)}")
+        rows, cols = self.matrix_shape
+        step = decode_step_rows(rows, cols, self.block[0])
+        for start in range(0, rows, step):
+            length = min(step, rows - start)
+            out[start:start + length] = self.narrow(0, start, length).decode(out.dtype)
+        return out
 
     def __repr__(self) -> str:
         return (f"PackedWeight({self.name}: {self.format} {list(self.logical_shape)}, blocks "

@@ -19,6 +19,7 @@ from megatron_slmoe.moe.dispatch.traffic import (
     hierarchical_traffic_rows,
 )
 from megatron_slmoe.ops.lora_expert import PACKED_SCRATCH_BYTES
+from megatron_slmoe.ops.quantized_weights import decode_chunk_bytes
 
 # The CPU packed kernel's scratch tiles are per thread of this process's intra-op pool
 # (at::get_num_threads()).
@@ -29,5 +30,5 @@ MLA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MLATransformerConf
                               "v_head_dim")}
 
 __all__ = ["ConfigError", "LORA_TARGETS", "MLA_DEFAULTS", "ModelConfig", "PACKED_SCRATCH_BYTES",
-           "cpu_threads", "expected_rows_per_destination", "flat_traffic_rows",
+           "cpu_threads", "decode_chunk_bytes", "expected_rows_per_destination", "flat_traffic_rows",
            "hierarchical_traffic_rows", "load_model_config"]

@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from megatron_slmoe.plan._sources import (
     PACKED_SCRATCH_BYTES,
     cpu_threads,
+    decode_chunk_bytes,
     expected_rows_per_destination,
 )
 from megatron_slmoe.plan.adapter_state import ExpertDims, expert_adapter_count
@@ -312,10 +313,9 @@ def packed_scratch_bytes(shape: ModelShape, settings: RunSettings, device: Devic
       most the rank's experts; csrc/packed_scratch.h), allocated whole whatever the routing;
     * cpu: one tile per intra-op thread that runs an expert (csrc/cpu/lora_expert_packed.cpp), so
       at most min(threads, experts);
-    * npu: one tile, the pure-torch twin's (``ops.lora_expert.packed_grouped_fwd``: there is no
-      AscendC packed kernel, so an NPU run decodes expert by expert). Not priced: the twin's
-      decode also holds its int/fp32 intermediates and the previous tile, 7-11 bf16 tiles at its
-      peak by format (measured with ``plan.live_bytes``)."""
+    * npu: the pure-torch twin's (``ops.lora_expert.packed_grouped_fwd``, what an NPU runs):
+      one tile the call decodes every expert into, plus the intermediates of one decode step
+      (``ops.quantized_weights.decode_chunk_bytes``: a few MiB; block-FP8 steps are 128 rows)."""
     experts = shape.experts // settings.ep
     fc1_out = shape.expert_ffn * (2 if shape.gated else 1)
     tiles = [out * inp * settings.element_size for out, inp in (
@@ -324,7 +324,9 @@ def packed_scratch_bytes(shape: ModelShape, settings: RunSettings, device: Devic
         return max(_cuda_chunk(experts, tile) * tile for tile in tiles)
     if device.kind == "cpu":
         return min(cpu_threads(), experts) * max(tiles)
-    return max(tiles)
+    block_rows = 128 if shape.packed_expert_bytes >= 1 else 1  # 8-bit: block FP8's 128 rows
+    return max(tiles) + max(decode_chunk_bytes(out, inp, block_rows) for out, inp in (
+        (fc1_out, shape.expert_width), (shape.expert_width, shape.expert_ffn)))
 
 
 def _cuda_chunk(experts: int, tile: int) -> int:
