@@ -1,13 +1,24 @@
 """The synthetic video task of the video demo: which way does a shape move?
 
 Each clip is ``FRAMES`` frames of a ``CANVAS`` x ``CANVAS`` canvas at ``FPS`` frames a second,
-one shape (circle, square or triangle, in red, green, blue or yellow) moving ``STEP`` pixels a
-frame to the right, left, up or down. The canvas wraps around (a torus: what leaves on one side
-comes back on the other) and the start is uniform over it, so the shape's place in any one frame
-is uniform whatever the direction: a single frame cannot answer the question, only the change
-between frames can (the single-frame baseline's chance is 1/4). The question names the shape
-(``Which way does the red circle move?``) and the answer is one of ``right``, ``left``, ``up``,
-``down``.
+one ``SIZE`` x ``SIZE`` shape (circle, square or triangle, in red, green, blue or yellow) moving
+``STEP`` pixels a frame to the right, left, up or down. The canvas wraps around (a torus: what
+leaves on one side comes back on the other) and the start is uniform over the ``STEP`` grid, so
+the shape's place in any one frame is uniform whatever the direction: a single frame cannot
+answer the question, only the change between frames can (the single-frame baseline's chance is
+1/4).
+
+The geometry is Qwen3-VL's (patch 16, two frames per temporal patch, 2x2 merge, sampling at
+2 fps): the shape is one patch, starts on the patch grid and moves one patch a frame, and every
+frame is sampled, so each temporal patch holds one move, from one patch (the shape in its first
+frame) to the next (in its second), and the merged token (or the two) holding that move tells
+which way it went. A shape moving a few pixels off the grid mostly stays inside the patches it
+covers; the demo's small random tower then keeps too little of the move: a small classifier on
+its frozen outputs read the direction of 58% of held-out clips that way, 91% with this
+geometry (320 clips to learn from, 80 held out).
+
+The question names the shape (``Which way does the red circle move?``) and the answer is one of
+``right``, ``left``, ``up``, ``down``.
 
 ``generate(out_dir)`` writes, from ``random.Random`` seeded by ``(seed, split, index)``:
 
@@ -33,7 +44,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 SEED = 20261206
-CANVAS, FRAMES, FPS, STEP, SIZE = 64, 8, 4, 4, 16
+CANVAS, FRAMES, FPS, STEP, SIZE = 64, 4, 2, 16, 16
 DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 80, 220),
            "yellow": (225, 200, 30)}
@@ -57,8 +68,10 @@ class Motion:
 
 
 def make_motion(rng: random.Random) -> Motion:
+    cells = CANVAS // STEP
     return Motion(rng.choice(SHAPES), rng.choice(sorted(COLOURS)),
-                  (rng.randrange(CANVAS), rng.randrange(CANVAS)), rng.choice(sorted(DIRECTIONS)))
+                  (STEP * rng.randrange(cells), STEP * rng.randrange(cells)),
+                  rng.choice(sorted(DIRECTIONS)))
 
 
 def draw_frames(motion: Motion) -> List:

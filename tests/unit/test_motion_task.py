@@ -1,6 +1,7 @@
 """The synthetic video task (``data.motion``): the answer is the motion the decoded clip shows
 (the shape's centre, found in the decoded frames, moves STEP pixels a frame that way on the
-wrapping canvas); no single frame answers it (the same first frame starts every direction); the
+wrapping canvas); no single frame answers it (at every frame index the frames of all starts are
+the same for every direction); the
 same seed writes the same questions and clips; the prepared datasets hold every question (the
 clips as the video dataset's, the middle frames as the baseline's)."""
 
@@ -35,14 +36,23 @@ def test_the_answer_is_the_motion_the_decoded_clip_shows():
         assert np.allclose(step, motion.DIRECTIONS[task.direction], atol=0.15), (task, step)
 
 
-def test_a_single_frame_does_not_answer():
-    task = motion.make_motion(random.Random(3))
-    first = [motion.draw_frames(motion.Motion(task.shape, task.colour, task.start, d))[0]
-             for d in motion.DIRECTIONS]
-    assert all(np.array_equal(f, first[0]) for f in first)  # four answers, one frame
-    # Starts are uniform over the wrapping canvas, so is the shape's place in every frame.
-    starts = [motion.make_motion(random.Random(i)).start for i in range(2000)]
-    assert len(set(starts)) > 1000
+def test_no_single_frame_answers():
+    # For every frame index, the frames of all starts are the same set whichever the direction:
+    # any one frame (the baseline's middle one included) fits all four answers equally.
+    cells = range(0, motion.CANVAS, motion.STEP)
+    for shape in motion.SHAPES:
+        clips = {d: [motion.draw_frames(motion.Motion(shape, "red", (y, x), d))
+                     for y in cells for x in cells] for d in motion.DIRECTIONS}
+        seen = {d: [sorted(f.tobytes() for f in frames) for frames in zip(*c)]
+                for d, c in clips.items()}
+        assert all(v == seen["right"] for v in seen.values()), shape
+        first = [motion.draw_frames(motion.Motion(shape, "red", (16, 32), d))[0]
+                 for d in motion.DIRECTIONS]
+        assert all(np.array_equal(f, first[0]) for f in first)  # four answers, one frame
+    # Starts are drawn uniformly over the patch grid: every cell, about equally often.
+    starts = [motion.make_motion(random.Random(i)).start for i in range(1600)]
+    counts = [starts.count((y, x)) for y in cells for x in cells]
+    assert len(counts) == 16 and sum(counts) == 1600 and min(counts) > 60, counts
 
 
 def test_generated_task_is_reproducible_and_prepared(tmp_path):
