@@ -1,7 +1,9 @@
 """A real SLURM (munged, slurmctld and two slurmd on this machine, .ci/start_slurm.sh) runs
 scripts/slurm/pretrain_lora_cpu.sbatch as a two-node job of the tiny model: both nodes train
 together, the job is signalled mid-run (USR1, as before a time limit), requeues itself and
-resumes from its checkpoint, then finishes and writes the adapter.
+resumes from its checkpoint, then finishes and writes the adapter. (With --no-preflight: the
+preflight between two nodes is tests/e2e/test_two_nodes.py's; here it would run again at each
+start of the job and prove nothing more.)
 
 Uses the cluster named by SLMOE_SLURM_DIR when it is up (e.g. started by .ci/run), else starts a
 private one (its own directory and ports) and stops it afterwards. Skipped, with the reason, where
@@ -86,9 +88,10 @@ def requeued_job(slurm_env, tiny_base, tmp_path_factory):
     env = {**slurm_env, "NPROC_PER_NODE": "1", "OUTPUT_DIR": str(out_dir)}
     started = time.time()
     submit = _slurm(["sbatch", "--parsable", "--job-name", f"slmoe-ci-{os.getpid()}",
-                     "--output", str(log), "scripts/slurm/pretrain_lora_cpu.sbatch", *TINY,
-                     "--base-checkpoint", str(tiny_base), "--train-iters", "6",
-                     "--save-interval", "2", "--lora-rank", "4"], env, cwd=REPO)
+                     "--output", str(log), "scripts/slurm/pretrain_lora_cpu.sbatch",
+                     "--no-preflight", *TINY, "--base-checkpoint", str(tiny_base),
+                     "--train-iters", "6", "--save-interval", "2", "--lora-rank", "4"], env,
+                    cwd=REPO)
     assert submit.returncode == 0, submit.stderr
     job_id = submit.stdout.strip().split(";")[0]
     try:
