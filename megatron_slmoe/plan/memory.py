@@ -9,7 +9,8 @@ pipeline stage (the peak rank is the largest) with
   router and latent projections are replicated; the embedding lives on the first stage, the output
   layer on the last; routed experts held packed (``--expert-weights packed``) count their packed
   bytes (``ModelShape.packed_expert_bytes``) plus the decode scratch the device's kernel holds
-  (``packed_scratch_bytes``: on CUDA a chunk of experts up to 256 MiB);
+  (``packed_scratch_bytes``: on CUDA, and on an NPU with the AscendC build, a chunk of experts
+  up to 256 MiB);
 * ``lora_params``: the adapters, in the dtype of the weight they adapt (the routed experts' at
   their own rank and layout, ``plan.adapter_state``);
 * ``grad_buffers``: Megatron DDP's contiguous gradient buffers, fp32 (``grad_reduce_in_fp32``) for
@@ -313,9 +314,14 @@ def packed_scratch_bytes(shape: ModelShape, settings: RunSettings, device: Devic
       most the rank's experts; csrc/packed_scratch.h), allocated whole whatever the routing;
     * cpu: one tile per intra-op thread that runs an expert (csrc/cpu/lora_expert_packed.cpp), so
       at most min(threads, experts);
-    * npu: the pure-torch twin's (``ops.lora_expert.packed_grouped_fwd``, what an NPU runs):
-      one tile the call decodes every expert into, plus the intermediates of one decode step
-      (``ops.quantized_weights.decode_chunk_bytes``: a few MiB; block-FP8 steps are 128 rows)."""
+    * npu: in bf16/fp16, the larger of the AscendC binding's chunk (the CUDA rule and cap:
+      csrc/ascendc/lora_expert_npu.cpp, on a build with CANN) and the pure-torch twin's
+      (``ops.lora_expert.packed_grouped_fwd``, what an NPU runs without that build): one tile the
+      call decodes every expert into, plus the intermediates of one decode step
+      (``ops.quantized_weights.decode_chunk_bytes``: a few MiB; block-FP8 steps are 128 rows).
+      The plan is for a device, not for the build on the planning host, so it cannot know which
+      of the two runs there and prices the one that holds more. In fp32 both hold the tile and a
+      step (the binding decodes fp32 with ATen ops, in the twin's steps)."""
     experts = shape.experts // settings.ep
     fc1_out = shape.expert_ffn * (2 if shape.gated else 1)
     tiles = [out * inp * settings.element_size for out, inp in (
@@ -325,12 +331,16 @@ def packed_scratch_bytes(shape: ModelShape, settings: RunSettings, device: Devic
     if device.kind == "cpu":
         return min(cpu_threads(), experts) * max(tiles)
     block_rows = 128 if shape.packed_expert_bytes >= 1 else 1  # 8-bit: block FP8's 128 rows
-    return max(tiles) + max(decode_chunk_bytes(out, inp, block_rows) for out, inp in (
+    twin = max(tiles) + max(decode_chunk_bytes(out, inp, block_rows) for out, inp in (
         (fc1_out, shape.expert_width), (shape.expert_width, shape.expert_ffn)))
+    if settings.element_size == 4:  # fp32: the binding's ATen decode, as the twin's
+        return twin
+    return max(twin, max(_cuda_chunk(experts, tile) * tile for tile in tiles))
 
 
 def _cuda_chunk(experts: int, tile: int) -> int:
-    """Experts the CUDA packed kernel decodes at once (``slmoe::packed_scratch_experts``)."""
+    """Experts the CUDA (and AscendC) packed kernel decodes at once
+    (``slmoe::packed_scratch_experts``)."""
     return max(1, min(experts, PACKED_SCRATCH_BYTES // max(1, tile)))
 
 

@@ -1,6 +1,7 @@
 """The planner's price of the packed experts' decode scratch is what the device's kernel holds: on
-CUDA a chunk of experts as csrc/packed_scratch.h sizes it, read back from the extension's own rule
-(``slmoe::packed_scratch_experts``), not from the planner's copy of it."""
+CUDA (and on an NPU with the AscendC build) a chunk of experts as csrc/packed_scratch.h sizes it,
+read back from the extension's own rule (``slmoe::packed_scratch_experts``), not from the
+planner's copy of it."""
 
 import dataclasses
 
@@ -48,9 +49,11 @@ def test_cuda_scratch_is_the_kernels_chunk_of_the_larger_projection(experts, wid
     fc1, fc2 = 2 * ffn * width * size, width * ffn * size  # gated: fc1 is gate|up
     want = max(kernel_chunk(local, fc1) * fc1, kernel_chunk(local, fc2) * fc2)
     assert packed_scratch_bytes(shape, settings, DEVICES["h100"]) == want
-    # The NPU runs the pure-torch twin: one tile, and one decode step's intermediates (held to
-    # the measured peak in tests/unit/test_packed_decode_scratch.py).
-    npu = fc1 + max(decode_chunk_bytes(2 * ffn, width), decode_chunk_bytes(width, ffn))
+    # An NPU runs the AscendC binding's chunk (the kernel's rule) or, without that build, the
+    # pure-torch twin: one tile and one decode step's intermediates (held to the measured peak in
+    # tests/unit/test_packed_decode_scratch.py); the plan prices the larger, in fp32 the twin's.
+    twin = fc1 + max(decode_chunk_bytes(2 * ffn, width), decode_chunk_bytes(width, ffn))
+    npu = twin if dtype == "fp32" else max(twin, want)
     assert packed_scratch_bytes(shape, settings, DEVICES["910b"]) == npu
     # And it is what the stage's weights carry on each device.
     weights = {name: estimate_memory(shape, settings, DEVICES[name]).peak_stage.weights
@@ -67,3 +70,17 @@ def test_k3_moe_layer_on_an_h200_at_ep_64():
     fc1 = 6144 * 3584 * 2
     assert kernel_chunk(896 // 64, fc1) == 6
     assert packed_scratch_bytes(shape, settings, DEVICES["h200"]) == 6 * fc1 == 252 * 2**20
+
+
+def test_k3_on_an_npu_prices_the_ascendc_bindings_chunk():
+    """The AscendC binding holds the CUDA kernel's chunk (csrc/ascendc/lora_expert_npu.cpp): K3 in
+    bf16 at EP=64 on a 910B, six fc1 experts (252 MiB), not the pure-torch twin's one tile and a
+    decode step (42 MiB + 6 MiB); in fp32 the binding decodes with ATen ops in the twin's steps."""
+    shape = packed(load_shape("kimi-k3"))
+    fc1 = 6144 * 3584 * 2
+    chunk = kernel_chunk(896 // 64, fc1) * fc1
+    bf16 = RunSettings(tp=8, pp=3, ep=64, dp=64)
+    assert packed_scratch_bytes(shape, bf16, DEVICES["910b"]) == chunk == 252 * 2**20
+    fp32 = dataclasses.replace(bf16, dtype="fp32")
+    twin = 2 * fc1 + decode_chunk_bytes(6144, 3584)
+    assert packed_scratch_bytes(shape, fp32, DEVICES["910b"]) == twin
