@@ -408,7 +408,8 @@ QWEN3_VL_IMAGE_TOKEN = 60
 def build_qwen3_vl_moe(seed: int = 0, image_token_id: int = QWEN3_VL_IMAGE_TOKEN, **text):
     """A tiny Qwen3VLMoeForConditionalGeneration: the Qwen3-MoE test model's sizes with
     interleaved M-RoPE (sections 2, 3, 3 of head_dim 16), a 2-layer tower with one DeepStack
-    layer (fp32, eval, random weights)."""
+    layer (fp32, eval, random weights); ``text`` overrides the language model's settings (the
+    tower's output follows its ``hidden_size``)."""
     import transformers
 
     text_config = {**dict(
@@ -421,8 +422,8 @@ def build_qwen3_vl_moe(seed: int = 0, image_token_id: int = QWEN3_VL_IMAGE_TOKEN
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "mrope_section": [2, 3, 3], "mrope_interleaved": True}), **text}
     vision_config = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2,
-                         out_hidden_size=HIDDEN, patch_size=16, spatial_merge_size=2,
-                         temporal_patch_size=2, deepstack_visual_indexes=[0])
+                         out_hidden_size=text_config["hidden_size"], patch_size=16,
+                         spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
     config = transformers.Qwen3VLMoeConfig(text_config=text_config, vision_config=vision_config,
                                            image_token_id=image_token_id, video_token_id=61,
                                            vision_start_token_id=62, vision_end_token_id=63,

@@ -103,10 +103,10 @@ def without_torchvision(monkeypatch) -> None:
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def save_qwen3_vl_video_checkpoint(hf_dir, seq_length: int):
+def save_qwen3_vl_video_checkpoint(hf_dir, seq_length: int, **text):
     """A tiny Qwen3-VL-MoE as users get it in ``hf_dir``: weights, a ChatML tokenizer with
     Qwen's vision tokens (config.json's ids), Qwen2-VL's image and Qwen3-VL's video processor
-    settings; returns transformers' model."""
+    settings; ``text`` overrides the language model's settings; returns transformers' model."""
     import tokenizers
 
     from tests.helpers import hf_models
@@ -115,8 +115,8 @@ def save_qwen3_vl_video_checkpoint(hf_dir, seq_length: int):
     hf_models.save_chatml_tokenizer(hf_dir, special_tokens=VISION_TOKENS)
     backend = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     ids = {t: backend.token_to_id(t) for t in VISION_TOKENS}
-    model = hf_models.build_qwen3_vl_moe(vocab_size=320, max_position_embeddings=seq_length,
-                                         image_token_id=ids["<|image_pad|>"])
+    text = {"vocab_size": 320, "max_position_embeddings": seq_length, **text}
+    model = hf_models.build_qwen3_vl_moe(image_token_id=ids["<|image_pad|>"], **text)
     model.config.video_token_id = ids["<|video_pad|>"]
     model.config.vision_start_token_id = ids["<|vision_start|>"]
     model.config.vision_end_token_id = ids["<|vision_end|>"]

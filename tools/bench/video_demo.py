@@ -42,6 +42,7 @@ def finetune(hf_dir: str, dataset: str, output: str, args) -> dict:
             "--seq-length", str(SEQ), "--global-batch-size", str(args.batch),
             "--micro-batch-size", str(args.batch), "--train-iters", str(args.iters),
             "--lr", str(args.lr), "--lr-warmup-iters", str(warmup),
+            "--lr-decay-style", args.lr_decay,
             "--eval-iters", str(args.eval_iters), "--eval-interval", str(args.iters),
             "--fp32", "--no-tensorboard", "--eval-answers", str(args.held_out),
             "--seed", str(args.seed), "--output-dir", output]
@@ -61,10 +62,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--train", type=int, default=512, help="training questions")
     p.add_argument("--held-out", type=int, default=64, help="held-out questions")
-    p.add_argument("--iters", type=int, default=150)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--lr-decay", default="cosine", choices=("constant", "cosine", "linear"))
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    p.add_argument("--hidden", type=int, default=128, help="the language model's width")
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     p.add_argument("--eval-iters", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=not args.keep)
     data = motion.generate(os.path.join(work, "data"), train=args.train, held_out=args.held_out)
     hf_dir = Path(work) / "qwen3-vl-moe-tiny"
-    video_clips.save_qwen3_vl_video_checkpoint(hf_dir, SEQ)
+    video_clips.save_qwen3_vl_video_checkpoint(hf_dir, SEQ, hidden_size=args.hidden)
     rows = []
     for name in ("video", "single_frame"):
         start = time.perf_counter()
