@@ -173,7 +173,8 @@ def _native_extensions():
         # csrc/ascendc: the torch_npu binding and the host planner (host compiler); the kernels
         # themselves are CANN-compiled into a library next to _C (build_ext below), found via $ORIGIN.
         cann, torch_npu_dir = ascend
-        sources += ["csrc/ascendc/lora_expert_npu.cpp", "csrc/ascendc/lora_tiling.cpp"]
+        sources += ["csrc/ascendc/lora_expert_npu.cpp", "csrc/ascendc/lora_tiling.cpp",
+                    "csrc/ascendc/packed_tiling.cpp"]
         kwargs["include_dirs"] += [os.path.join(torch_npu_dir, "include"), os.path.join(cann, "include")]
         kwargs["library_dirs"] = [os.path.join(torch_npu_dir, "lib"), os.path.join(cann, "lib64"),
                                   os.path.join(ROOT, "megatron_slmoe")]

@@ -1,5 +1,5 @@
-"""The pure-torch packed expert op (what an NPU runs: the torch_npu binding does not call the
-AscendC packed kernel yet) holds one decoded tile per call plus one decode step's intermediates,
+"""The pure-torch packed expert op (what an NPU runs without the AscendC build, and any device
+with SLMOE_KERNELS=reference) holds one decoded tile per call plus one decode step's intermediates,
 as the planner prices it (``plan.memory.packed_scratch_bytes``): the live tensor bytes of a
 forward and of a backward, counted by ``plan.live_bytes``, for every format, at a tile large
 against a decode step (decoding a whole tile at once held 7-11 tiles' worth at its peak)."""

@@ -5,7 +5,9 @@
 //   OpCommand          runs its custom handler at Run() (torch_npu queues it on the task queue);
 //   getCurrentNPUStream, OptionalNPUGuard   no-ops;
 //   aclGetDeviceCapability                 reports 4 AI Cores.
-// Results are compared with the op's per-expert ATen math (lora_expert_aten.h) in float64.
+// Results are compared with the op's per-expert ATen math (lora_expert_aten.h) in float64; the packed
+// ops' (MXFP4, INT4, block FP8: the emulated decode kernel per chunk of experts, then the dense
+// kernel; float32's ATen decode) with decode-then-dense, bit for bit (packed_checks).
 //
 //   npu_binding_test    exit 0 when every check passes
 #include <acl/acl.h>
@@ -154,6 +156,190 @@ void expect_error(const std::string& what, const std::string& message, const std
   }
 }
 
+
+// ----- packed weights ----------------------------------------------------------------------------
+//
+// The packed ops (the AscendC decode into a scratch per chunk of experts, then the dense kernel; the
+// ATen decode for float32) against decode-then-dense: y, h, dx, dA, dB equal, bit for bit, the dense
+// op's on the weight decoded here element by element from the formats' definitions
+// (csrc/lora_expert_packed.h), independently of both decoders. The dense op is held to float64 above.
+
+struct PackedCase {
+  std::string name, format;
+  std::vector<int64_t> counts;
+  int64_t d_in, d_out, r;
+  std::vector<int64_t> block;
+  at::ScalarType dtype, scale_dtype;  // scale_dtype: pack-quantized only
+  bool dropout, probs;
+  slmoe::PackedLimits limits;
+};
+
+struct PackedWeight {
+  at::Tensor packed, scale;
+  at::Tensor decoded;  // [E, d_out, d_in] float32, before the cast to x's dtype
+};
+
+float e2m1(int code) {
+  const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  return (code & 8) ? -mag[code & 7] : mag[code & 7];
+}
+
+template <typename T>
+float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+PackedWeight make_packed(const PackedCase& c, int64_t E) {
+  const int64_t out = c.d_out, in = c.d_in, br = c.block[0], bc = c.block[1];
+  const auto u8 = at::TensorOptions().dtype(at::kByte);
+  PackedWeight w;
+  w.decoded = at::empty({E, out, in}, at::TensorOptions().dtype(at::kFloat));
+  auto dec = w.decoded.accessor<float, 3>();
+  if (c.format == "mxfp4-pack-quantized") {
+    w.packed = at::randint(0, 256, {E, out, in / 2}, u8);
+    w.scale = at::randint(118, 131, {E, out, in / 32}, u8);
+    const auto p = w.packed.accessor<uint8_t, 3>();
+    const auto s = w.scale.accessor<uint8_t, 3>();
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) {
+          const int code = (i % 2 == 0) ? (p[e][o][i / 2] & 0xF) : (p[e][o][i / 2] >> 4);
+          dec[e][o][i] = e2m1(code) * std::ldexp(1.0f, int(s[e][o][i / 32]) - 127);
+        }
+  } else if (c.format == "pack-quantized") {
+    w.packed = at::randint(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(),
+                           {E, out, in / 8}, at::TensorOptions().dtype(at::kInt));
+    w.scale = (at::rand({E, out, in / bc}) * 0.1 + 0.01).to(c.scale_dtype);
+    const auto p = w.packed.accessor<int32_t, 3>();
+    const auto s = w.scale.to(at::kFloat);  // exact
+    const auto sa = s.accessor<float, 3>();
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) {
+          const int q = int((static_cast<uint32_t>(p[e][o][i / 8]) >> (4 * (i % 8))) & 0xF) - 8;
+          const float v = float(q) * sa[e][o][i / bc];  // exact in float; rounded in the scale's dtype
+          dec[e][o][i] = c.scale_dtype == at::kBFloat16 ? round_to<c10::BFloat16>(v)
+                         : c.scale_dtype == at::kHalf   ? round_to<c10::Half>(v)
+                                                        : v;
+        }
+  } else {
+    auto bytes = at::randint(0, 256, {E, out, in}, u8);
+    bytes.masked_fill_(bytes.bitwise_and(0x7F) == 0x7F, 0);  // no NaN codes
+    w.packed = bytes.view(at::kFloat8_e4m3fn);
+    w.scale = at::rand({E, (out + br - 1) / br, (in + bc - 1) / bc}) * 0.05;
+    const auto p = bytes.accessor<uint8_t, 3>();
+    const auto s = w.scale.accessor<float, 3>();
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) {
+          const float v = static_cast<float>(c10::Float8_e4m3fn(p[e][o][i], c10::Float8_e4m3fn::from_bits()));
+          dec[e][o][i] = v * s[e][o / br][i / bc];
+        }
+  }
+  return w;
+}
+
+void expect_same(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  const bool same = got.defined() == want.defined() &&
+                    (!got.defined() || (got.scalar_type() == want.scalar_type() && at::equal(got, want)));
+  expect(same, what + (same || !got.defined() || !want.defined()
+                           ? std::string()
+                           : " differs from decode-then-dense by " + std::to_string(rel_err(got, want))));
+}
+
+void run_packed(const PackedCase& c) {
+  const int64_t E = static_cast<int64_t>(c.counts.size());
+  int64_t T = 0;
+  for (int64_t n : c.counts) T += n;
+  at::manual_seed(29);
+  const auto dt = c.dtype;
+  const auto o = at::TensorOptions().dtype(dt);
+  const PackedWeight pw = make_packed(c, E);
+  const at::Tensor w = pw.decoded.to(dt);  // decode-then-dense's weight
+  const at::Tensor x = at::randn({T, c.d_in}, o);
+  const at::Tensor a = (at::randn({E, c.r, c.d_in}) / std::sqrt(double(c.d_in))).to(dt);
+  const at::Tensor b = (at::randn({E, c.d_out, c.r}) / std::sqrt(double(c.r))).to(dt);
+  const at::Tensor dy = at::randn({T, c.d_out}, o);
+  const at::Tensor mask = ((at::rand({T, c.d_in}) > 0.3).to(at::kFloat) / 0.7).to(dt);
+  const at::Tensor counts = at::tensor(c.counts, at::TensorOptions().dtype(at::kLong));
+  const double s = 2.0;
+  const std::optional<at::Tensor> lora_x = c.dropout ? std::optional<at::Tensor>(x * mask) : std::nullopt;
+  const std::optional<at::Tensor> lora_mask = c.dropout ? std::optional<at::Tensor>(mask) : std::nullopt;
+  const std::optional<at::Tensor> probs = c.probs ? std::optional<at::Tensor>(at::rand({T}).to(dt)) : std::nullopt;
+  const std::vector<int64_t> shape{c.d_out, c.d_in};
+
+  const auto [y, h] = slmoe::packed_fwd_npu(x, a, b, counts, s, lora_x, probs, pw.packed, pw.scale, c.format,
+                                            c.block, shape, c.limits);
+  const auto [y_ref, h_ref] = slmoe::lora_grouped_linear_fwd_npu(x, w, a, b, counts, s, lora_x, probs);
+  expect_same(y, y_ref, c.name + ": y");
+  expect_same(h, h_ref, c.name + ": h");
+  // dx alone (decoded), dA and dB alone (nothing decoded), all three; the dense op's other masks
+  // are run above.
+  for (int outs : {1, 6, 7}) {
+    const std::array<bool, 3> om = {bool(outs & 1), bool(outs & 2), bool(outs & 4)};
+    const at::Tensor lx = c.dropout ? *lora_x : x;
+    const auto [dx, da, db] = slmoe::packed_bwd_npu(dy, lx, a, b, h, counts, s, lora_mask, om, probs, pw.packed,
+                                                    pw.scale, c.format, c.block, shape, c.limits);
+    const auto [dx_ref, da_ref, db_ref] =
+        slmoe::lora_grouped_linear_bwd_npu(dy, lx, w, a, b, h, counts, s, lora_mask, om, probs);
+    const std::string tag = c.name + " output_mask " + std::to_string(outs);
+    expect_same(dx, dx_ref, tag + ": dx");
+    expect_same(da, da_ref, tag + ": dA");
+    expect_same(db, db_ref, tag + ": dB");
+  }
+  std::printf("ok   %s\n", c.name.c_str());
+}
+
+void packed_checks() {
+  // Two experts a chunk (three chunks, one without rows), decode segments of at most 64 columns
+  // (96 inputs: two segments a row; FP8's 80: a short last one, and a partial scale block).
+  const std::vector<int64_t> uneven{0, 5, 0, 0, 3, 4};
+  const slmoe::PackedLimits small{2, 64};
+  const auto f32 = at::kFloat, bf = at::kBFloat16;
+  for (auto dt : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    const std::string n = dt == at::kBFloat16 ? "bf16" : (dt == at::kHalf ? "fp16" : "fp32 (ATen decode)");
+    run_packed({n + " mxfp4", "mxfp4-pack-quantized", uneven, 96, 37, 8, {1, 32}, dt, f32, false, false, small});
+    run_packed({n + " int4 g32 bf16 scale, dropout, probs", "pack-quantized", uneven, 96, 37, 8, {1, 32}, dt, bf,
+                true, true, small});
+    run_packed({n + " block-fp8 [4, 32]", "block-fp8", uneven, 80, 37, 8, {4, 32}, dt, f32, false, true, small});
+  }
+  run_packed({"fp16 int4 g64 fp16 scale, one expert a chunk", "pack-quantized", uneven, 128, 24, 4, {1, 64},
+              at::kHalf, at::kHalf, true, false, {1, 64}});
+  run_packed({"bf16 mxfp4, the registered op's chunks and segments", "mxfp4-pack-quantized", uneven, 96, 37, 8,
+              {1, 32}, at::kBFloat16, f32, false, true, {}});
+  run_packed({"bf16 int4 no rows", "pack-quantized", {0, 0, 0}, 64, 24, 4, {1, 32}, at::kBFloat16, f32, false,
+              false, small});
+
+  // The registered ops are these with the default limits.
+  const auto bfo = at::TensorOptions().dtype(at::kBFloat16);
+  const auto u8 = at::TensorOptions().dtype(at::kByte);
+  const auto counts = at::tensor(std::vector<int64_t>{2}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor x = at::randn({2, 64}, bfo), a = at::randn({1, 4, 64}, bfo), b = at::randn({1, 8, 4}, bfo);
+  const at::Tensor p = at::randint(0, 256, {1, 8, 32}, u8), sc = at::randint(120, 130, {1, 8, 2}, u8);
+  const auto [y0, h0] = slmoe::packed_fwd_npu(x, a, b, counts, 1.0, std::nullopt, std::nullopt, p, sc,
+                                              "mxfp4-pack-quantized", {1, 32}, {8, 64}, {});
+  const auto [y1, h1] = slmoe::lora_grouped_linear_packed_fwd_npu(x, a, b, counts, 1.0, std::nullopt, std::nullopt,
+                                                                  p, sc, "mxfp4-pack-quantized", {1, 32}, {8, 64});
+  expect(at::equal(y0, y1) && at::equal(h0, h1), "registered packed forward: the default limits");
+
+  // A planner refusal is one line naming it; the shared layout checks come first.
+  const auto fp8 = at::zeros({1, 8, 96}, u8).view(at::kFloat8_e4m3fn);
+  expect_error<c10::ValueError>("planner refusal", "lora_grouped_linear_packed (NPU): scale blocks of 80 columns", [&] {
+    slmoe::packed_fwd_npu(at::zeros({2, 96}, bfo), at::zeros({1, 4, 96}, bfo), at::zeros({1, 8, 4}, bfo), counts,
+                          1.0, std::nullopt, std::nullopt, fp8, at::ones({1, 8, 2}), "block-fp8", {1, 80}, {8, 96},
+                          {1, 64});
+  });
+  expect_error<c10::TypeError>("packed float64", "float64 is not supported on Ascend NPUs", [&] {
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    slmoe::lora_grouped_linear_packed_fwd_npu(at::zeros({2, 64}, f64), at::zeros({1, 4, 64}, f64),
+                                              at::zeros({1, 8, 4}, f64), counts, 1.0, std::nullopt, std::nullopt, p,
+                                              sc, "mxfp4-pack-quantized", {1, 32}, {8, 64});
+  });
+  expect_error<c10::ValueError>("packed layout", "lora_grouped_linear_packed: mxfp4-pack-quantized blocks are", [&] {
+    slmoe::lora_grouped_linear_packed_fwd_npu(x, a, b, counts, 1.0, std::nullopt, std::nullopt, p, sc,
+                                              "mxfp4-pack-quantized", {1, 16}, {8, 64});
+  });
+}
 }  // namespace
 
 int main() {
@@ -184,6 +370,7 @@ int main() {
     slmoe::lora_grouped_linear_fwd_npu(at::zeros({3, 4}, bf), at::zeros({1, 3, 4}, bf), at::zeros({1, 2, 4}, bf),
                                        at::zeros({1, 3, 2}, bf), counts, 1.0, std::nullopt, std::nullopt);
   });
+  packed_checks();
   if (g_failures) {
     std::printf("npu_binding_test: %d check(s) failed\n", g_failures);
     return 1;

@@ -5,7 +5,8 @@
 #   2. api_selftest  the emulation against CANN's documented Mmad data flow (independent of the kernel);
 #   3. emu_test      the emulated kernel against an fp64 reference (--quick: fewer large cases);
 #   4. npu_binding_test  (when SLMOE_TORCH_INCLUDES is set) the torch_npu binding on CPU tensors with the
-#                    emulated kernel and stand-ins for its torch_npu / ACL calls, against the ATen math;
+#                    emulated kernels and stand-ins for its torch_npu / ACL calls: the dense ops against
+#                    the ATen math, the packed ops against decode-then-dense;
 #   5. mutants       (unless --no-mutants) every injected bug below, each of which must make
 #                    emu_test fail; one that passes is reported and fails the run;
 #   6. packed_oracle.py  (when SLMOE_EMU_PYTHON names a Python with torch) the packed-weight path
@@ -72,10 +73,11 @@ sources=("$src/lora_expert_kernel.cpp" "$src/lora_tiling.cpp" "$here/ascendc_emu
 packed=0
 if [ -n "${SLMOE_EMU_PYTHON:-}" ]; then
     packed=1
-    sources+=("$src/packed_decode_kernel.cpp" "$here/packed_shim.cpp")
+    sources+=("$here/packed_shim.cpp")
 fi
 binding=0
 if [ -n "${SLMOE_TORCH_INCLUDES:-}" ]; then binding=1; fi
+if [ "$packed" = 1 ] || [ "$binding" = 1 ]; then sources+=("$src/packed_decode_kernel.cpp"); fi
 pids=()
 compile() {  # in the background, at most $jobs at a time
     "$@" &
@@ -100,8 +102,8 @@ for p in "${pids[@]}"; do wait "$p"; done
 "$out/api_selftest"
 "$out/emu_test" $quick
 if [ "$binding" = 1 ]; then
-    "$CXX" "$out/npu_binding_test.o" "$out/lora_expert_kernel.o" "$out/lora_tiling.o" "$out/ascendc_emu.o" \
-        -L"$SLMOE_TORCH_LIBDIR" -Wl,-rpath,"$SLMOE_TORCH_LIBDIR" -ltorch -ltorch_cpu -lc10 -o "$out/npu_binding_test"
+    "$CXX" "$out/npu_binding_test.o" "$out/lora_expert_kernel.o" "$out/lora_tiling.o" "$out/packed_decode_kernel.o" \
+        "$out/packed_tiling.o" "$out/ascendc_emu.o" -L"$SLMOE_TORCH_LIBDIR" -Wl,-rpath,"$SLMOE_TORCH_LIBDIR" -ltorch -ltorch_cpu -lc10 -o "$out/npu_binding_test"
     "$out/npu_binding_test"
 fi
 if [ "$packed" = 1 ]; then
