@@ -11,7 +11,7 @@
 #   3. the kernel's own source runs on the host emulation (csrc/ascendc/emu/run.sh): the planner's
 #      unit tests, the emulation's self-test against CANN's documented data flow, the emulated
 #      kernel against an fp64 reference (--quick set), the binding on CPU tensors with the emulated
-#      kernel (with torch), and every injected bug, which must be caught; with torch, the packed-
+#      kernels (with torch; its packed ops against decode-then-dense), and every injected bug, which must be caught; with torch, the packed-
 #      weight path (packed_decode_kernel.cpp: MXFP4, INT4, block FP8 dequantised on the vector units,
 #      then the dense kernel) against megatron_slmoe.ops through the shared packed oracle, and its own
 #      injected bugs. Skip with --no-emu.
