@@ -1,7 +1,8 @@
 """The LoRA fine-tuning job on real gloo ranks (torchrun), as users run it:
 
 - 20 steps give the same loss curve on 1 rank and on 2 ranks with TP=2, EP=2, PP=2 and DP=2,
-  routing-stability losses included, and the same held-out accuracy by generation;
+  routing-stability losses included, and the same held-out accuracy by generation (the EP=2 run
+  is the one below whose rank is killed: the same job, launched once for both tests);
 - a rank killed mid-run (kill -9) under torchrun's restart budget: every rank restarts by itself,
   resumes from the newest intact checkpoint and reproduces the uninterrupted losses; the log names
   the dead rank and the checkpoint; metrics.jsonl has each iteration once, and the restart;
@@ -39,13 +40,11 @@ STABILITY = ["--moe-routing-kl-coeff", "0.5", "--moe-routed-balance-coeff", "0.1
 
 
 @pytest.fixture(scope="module")
-def start(tmp_path_factory):
-    """A base checkpoint (2 full-training steps of the tiny model) and a starting adapter (one
-    LoRA step on it), so every layout starts from the same weights."""
+def start(tmp_path_factory, tiny_base):
+    """The session's tiny base checkpoint (linked as base/) and a starting adapter (one LoRA step
+    on it), so every layout starts from the same weights."""
     root = tmp_path_factory.mktemp("finetune")
-    _torchrun(1, [*COMMON, "--finetune-mode", "full", "--data-format", "pretrain",
-                  "--train-iters", "2", "--lr-warmup-iters", "0", "--output-dir", str(root / "base-run"),
-                  "--save-base", str(root / "base")])
+    (root / "base").symlink_to(tiny_base, target_is_directory=True)
     _torchrun(1, [*COMMON, "--base-checkpoint", str(root / "base"), "--train-iters", "1",
                   "--lr-warmup-iters", "0", "--output-dir", str(root / "init")])
     return root
@@ -64,25 +63,8 @@ def single_rank(start):
     return _losses(start / "single")
 
 
-@pytest.mark.parametrize("name, flags", [
-    ("tp2", ["--tensor-model-parallel-size", "2"]),
-    ("ep2", ["--expert-model-parallel-size", "2"]),
-    ("pp2", ["--pipeline-model-parallel-size", "2"]),
-    ("dp2", []),
-])
-def test_loss_curve_matches_single_rank(start, single_rank, name, flags):
-    _lora_run(start, name, 2, flags)
-    losses = _losses(start / name)
-    assert sorted(losses) == list(range(1, 21))
-    for it in range(1, 21):
-        assert losses[it] == pytest.approx(single_rank[it], rel=1e-5, abs=1e-6), f"iteration {it}"
-    assert losses[20] < losses[1]  # and it learns
-    summary = json.loads((start / name / "summary.json").read_text())
-    reference = json.loads((start / "single" / "summary.json").read_text())
-    assert summary["accuracy_after"] == reference["accuracy_after"]
-
-
 SECRET = "slmoe-test-secret-7f3a9c"
+EP2 = ["--expert-model-parallel-size", "2"]
 
 
 def _pid_of(run: Path, attempt: int, rank: int) -> int:
@@ -90,10 +72,13 @@ def _pid_of(run: Path, attempt: int, rank: int) -> int:
     return json.loads(path.read_text())["pid"]
 
 
-def test_killed_rank_restarts_in_job_and_reproduces_losses(start, single_rank):
+@pytest.fixture(scope="module")
+def killed_ep2(start):
+    """The EP=2 layout's 20 steps, with rank 1 killed (kill -9) once it is past the checkpoint of
+    iteration 10, under torchrun's restart budget and with credentials in the environment: its
+    output, the victim's pid, and the losses and summary as the finished job left them."""
     run = start / "killed"
-    ep2 = ["--expert-model-parallel-size", "2"]
-    proc = _lora_run(start, "killed", 2, ep2, wait=False, restarts=2,
+    proc = _lora_run(start, "killed", 2, EP2, wait=False, restarts=2,
                      env={"AWS_SECRET_ACCESS_KEY": SECRET, "HF_TOKEN": SECRET})
     deadline = time.time() + 300
     while time.time() < deadline:  # kill rank 1 once it is past the checkpoint of iteration 10
@@ -105,8 +90,35 @@ def test_killed_rank_restarts_in_job_and_reproduces_losses(start, single_rank):
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]  # finished by itself
+    return {"run": run, "out": out, "victim": victim, "losses": _losses(run),
+            "summary": json.loads((run / "summary.json").read_text())}
 
-    losses = _losses(run)
+
+@pytest.mark.parametrize("name, flags", [
+    ("tp2", ["--tensor-model-parallel-size", "2"]),
+    ("ep2", None),  # the killed-rank job (killed_ep2): the same run, launched once
+    ("pp2", ["--pipeline-model-parallel-size", "2"]),
+    ("dp2", []),
+])
+def test_loss_curve_matches_single_rank(start, single_rank, request, name, flags):
+    if flags is None:
+        killed = request.getfixturevalue("killed_ep2")
+        losses, summary = killed["losses"], killed["summary"]
+    else:
+        _lora_run(start, name, 2, flags)
+        losses = _losses(start / name)
+        summary = json.loads((start / name / "summary.json").read_text())
+    assert sorted(losses) == list(range(1, 21))
+    for it in range(1, 21):
+        assert losses[it] == pytest.approx(single_rank[it], rel=1e-5, abs=1e-6), f"iteration {it}"
+    assert losses[20] < losses[1]  # and it learns
+    reference = json.loads((start / "single" / "summary.json").read_text())
+    assert summary["accuracy_after"] == reference["accuracy_after"]
+
+
+def test_killed_rank_restarts_in_job_and_reproduces_losses(start, single_rank, killed_ep2):
+    run, out, victim = killed_ep2["run"], killed_ep2["out"], killed_ep2["victim"]
+    losses = killed_ep2["losses"]
     assert sorted(losses) == list(range(1, 21))
     for it in range(1, 21):
         assert losses[it] == pytest.approx(single_rank[it], rel=1e-5, abs=1e-6), f"iteration {it}"
@@ -137,7 +149,7 @@ def test_killed_rank_restarts_in_job_and_reproduces_losses(start, single_rank):
     newest = run / "checkpoints" / "iter_0000020"
     shard = next(newest.rglob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    out = _lora_run(start, "killed", 2, ep2, iters=22)
+    out = _lora_run(start, "killed", 2, EP2, iters=22)
     assert "iter_0000020 is not usable" in out and "bytes, the manifest says" in out
     assert "resumed from" in out and "iter_0000015" in out
     assert "the learning rate now decays over 22 steps instead of 20" in out
@@ -153,7 +165,7 @@ def test_killed_rank_restarts_in_job_and_reproduces_losses(start, single_rank):
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
     args = [*COMMON, "--base-checkpoint", str(start / "base"), "--adapter-init",
             str(start / "init" / "adapter"), "--train-iters", "22", "--save-interval", "5",
-            "--output-dir", str(run), *ep2]
+            "--output-dir", str(run), *EP2]
     rerun = subprocess.run([sys.executable, "-m", "megatron_slmoe.training.finetune", *args],
                            cwd=REPO, capture_output=True, text=True, timeout=300,
                            env={**os.environ, "WORLD_SIZE": "2"})
