@@ -95,28 +95,34 @@ def _reference_loss(text, vision_state, config, pad, batches) -> float:
     return sum(per_micro_batch) / len(per_micro_batch)
 
 
-def _reference_answer(text, vision_state, config, pad, prompt, limit: int, eos: int,
-                      vocab: int) -> list[int]:
-    """Greedy decoding of the plain references (fp64, the whole sequence recomputed for every
-    token) on one of the run's prompts (a ``GenerationPrompt``): the tower's and projector's
-    features at the prompt's placeholders, generated tokens embedded as text; the run's limit
-    and eos (cut), never an id of the model's vocabulary padding (at or above ``vocab``)."""
+def _reference_answer(text, vision_state, config, pad, prompt, ours: list[int], limit: int,
+                      eos: int, vocab: int) -> list[int]:
+    """The plain references' greedy answer (fp64) to one of the run's prompts (a
+    ``GenerationPrompt``: the tower's and projector's features at its placeholders, generated
+    tokens embedded as text) under the run's limit and eos (cut), never an id of the model's
+    vocabulary padding (at or above ``vocab``), as far as it goes with ``ours``. One forward
+    over the prompt and our answer, not one per token: the model is causal, so each position's
+    greedy token given our tokens before it is the greedy loop's as long as the two agree, and
+    the answer is taken up to the first token where they part."""
     state = {k: v.double() for k, v in vision_state.items()}
+    ids = torch.tensor([prompt.tokens + ours])
+    media = torch.nonzero(ids[0] == pad).flatten()
+    media = media[media < len(prompt.tokens)]
     with torch.no_grad():
         features = vision_ref.projector(state, config, vision_ref.tower(
             state, config, prompt.images.double(), prompt.image_grid_thw))
-    prompt_ids = torch.tensor(prompt.tokens)
-    media = torch.nonzero(prompt_ids == pad).flatten()
-    assert len(media) == len(features)
-
-    def logits(ids):
+        assert len(media) == len(features)
         embeds = text.language_model.model.embed_tokens(ids.index_fill(1, media, 0))
         embeds[0, media] = features
-        return text(inputs_embeds=embeds)[..., :vocab]
-
-    with torch.no_grad():
-        (answer,) = k3ref.greedy_decode(logits, [prompt.tokens], limit, eos)
-    return answer[:-1] if answer[-1:] == [eos] else answer
+        predicted = text(inputs_embeds=embeds)[0, len(prompt.tokens) - 1:, :vocab].argmax(-1)
+    answer = []
+    for i, token in enumerate(predicted[:limit].tolist()):
+        if token == eos:
+            break
+        answer.append(token)
+        if i >= len(ours) or token != ours[i]:
+            break
+    return answer
 
 
 def _modules_of(state: dict) -> nn.Module:
@@ -236,7 +242,7 @@ def test_k3_image_text_lora_and_its_peft_adapter_on_the_references(k3_vl, tmp_pa
     assert len(answers) == ANSWERS and any(tokens for _, _, tokens in answers)
     for prompt, limit, ours in answers:
         assert (prompt.tokens.count(pad) > 0 and ours == _reference_answer(
-            reference, state, config, pad, prompt, limit, tokenizer.eos_id,
+            reference, state, config, pad, prompt, ours, limit, tokenizer.eos_id,
             tokenizer.vocab_size)), prompt.tokens
     # The tower's and projector's adapters matter to it (the same without them is far off).
     unadapted = {k: v.double() for k, v in vision_state.items()}
