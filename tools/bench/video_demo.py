@@ -1,7 +1,10 @@
 """The video demo: LoRA fine-tuning on the synthetic motion task (``data/motion.py``: which way a
 shape moves on a wrapping canvas; no single frame answers it) with a tiny random-weight
 Qwen3-VL-MoE made by the tests' maker (``tests/helpers/video_clips.py``: 2-layer tower, 2-layer
-MoE language model, Qwen3-VL's video processor at 2 fps, two frames per temporal patch).
+MoE language model, Qwen3-VL's video processor at 2 fps, two frames per temporal patch). The
+language model is ``--hidden`` wide, 128 by default: at the tests' 32, with its final norm and
+output layer frozen, no hidden state makes any one token much likelier than a third, so LoRA
+cannot learn to write an answer at all.
 
 Two runs of the entry point (``slmoe-finetune --task image-text``) with the same model, settings
 and questions: on the clips (``video``), and on each clip's middle frame (``single_frame``, the
