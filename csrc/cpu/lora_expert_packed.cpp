@@ -12,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "expert_schedule.h"
@@ -32,71 +34,99 @@ namespace {
 
 using cpu::kCpuExperts;
 
-constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+// The decoders below compute each value in fp32 with integer and float arithmetic only (no table
+// lookups, no branches), so the compiler vectorises their inner loops; the results are those of the
+// per-element formulas in csrc/lora_expert_packed.h, bit for bit.
 
-// MXFP4's decode as a table: [scale byte s][packed byte b] -> the pair (low, high element) in the
-// tile's dtype, each the fp32 product E2M1 * 2^(s-127) cast as the per-element formula would cast
-// it (s = 255 gives NaN). 256 x 256 pairs; a byte then decodes with one lookup and no conversion.
-at::Tensor mxfp4_pair_table(at::ScalarType dtype) {
-  std::vector<float> factors(256), pairs(512);
-  for (int s = 0; s < 256; ++s) {
-    factors[s] = s == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, s - 127);
-  }
-  for (int b = 0; b < 256; ++b) pairs[2 * b] = kE2M1[b & 0xF], pairs[2 * b + 1] = kE2M1[b >> 4];
-  const auto f = at::from_blob(factors.data(), {256, 1, 1}, at::kFloat);
-  const auto v = at::from_blob(pairs.data(), {1, 256, 2}, at::kFloat);
-  return (f * v).to(dtype).contiguous();
+// c10::BFloat16's rounding of an fp32 value (nearest even, NaN to 0x7FC0), without its branch.
+inline uint16_t bf16_bits(float f) {
+  const auto u = c10::bit_cast<uint32_t>(f);
+  const auto rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? uint16_t{0x7FC0} : rounded;
 }
 
-// Rows [r0, r1) of expert e's W into `tile` ([out, in], out_t, contiguous); `mx_pairs` is
-// mxfp4_pair_table in out_t for MXFP4.
+// v cast to T and back to fp32: the rounding of a product computed in T.
+template <typename T>
+inline float rounded_to(float v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return c10::bit_cast<float>(uint32_t{bf16_bits(v)} << 16);
+  } else {
+    return static_cast<float>(static_cast<T>(v));
+  }
+}
+
+// A decoded fp32 value into the tile's dtype, rounded as static_cast rounds it.
+template <typename out_t>
+inline out_t to_tile(float v) {
+  if constexpr (std::is_same_v<out_t, c10::BFloat16>) {
+    return out_t(bf16_bits(v), out_t::from_bits());
+  } else {
+    return static_cast<out_t>(v);
+  }
+}
+
+// E2M1 code (bit 3 the sign) -> its value 0, 0.5, 1, 1.5, 2, 3, 4, 6, built as fp32 bits: code c >= 2
+// is 2^(c/2 - 1) * (1 + (c & 1) / 2).
+inline float e2m1_value(uint32_t code) {
+  const uint32_t c = code & 7u;
+  const uint32_t magnitude = c >= 2 ? ((c >> 1) + 126u) << 23 | (c & 1u) << 22 : (c == 1 ? 0x3F000000u : 0u);
+  return c10::bit_cast<float>((code & 8u) << 28 | magnitude);
+}
+
+// float8_e4m3fn byte -> its value as c10::Float8_e4m3fn gives it, built as fp32 bits: exponent
+// rebiased 7 -> 127, subnormals m * 2^-9, S.1111.111 NaN.
+inline float e4m3fn_value(uint32_t byte) {
+  const uint32_t sign = (byte & 0x80u) << 24, exponent = (byte >> 3) & 0xFu, mantissa = byte & 7u;
+  const uint32_t normal = (exponent + 120u) << 23 | mantissa << 20;
+  const uint32_t subnormal = c10::bit_cast<uint32_t>(static_cast<float>(mantissa) * 0x1p-9f);
+  const uint32_t magnitude = (byte & 0x7Fu) == 0x7Fu ? 0x7FF00000u : (exponent == 0 ? subnormal : normal);
+  return c10::bit_cast<float>(sign | magnitude);
+}
+
+// Element 2c of a nibble-packed row is the low nibble of its byte c, 2c+1 the high one: MXFP4's
+// layout, and INT4's too, its int32 words read as bytes on a little-endian host.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the INT4 decoder reads int32 words as bytes");
+
+// Rows [r0, r1) of expert e's W into `tile` ([out, in], out_t, contiguous).
 template <typename out_t>
 void decode_rows(const PackedLayout& l, const at::Tensor& packed, const at::Tensor& scale, int64_t e, int64_t r0,
-                 int64_t r1, out_t* tile, const out_t* mx_pairs) {
+                 int64_t r1, out_t* tile) {
   const int64_t in = l.in;
   if (l.format == Format::kMxfp4) {
     const uint8_t* p = packed.data_ptr<uint8_t>() + e * l.out * (in / 2);
     const uint8_t* s = scale.data_ptr<uint8_t>() + e * l.out * (in / 32);
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < in / 32; ++g) {
-        const out_t* pairs = mx_pairs + 512 * int64_t{s[r * (in / 32) + g]};
+        const uint8_t sb = s[r * (in / 32) + g];  // 2^(sb - 127), 255 NaN
+        const float factor = sb == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, sb - 127);
         const uint8_t* bytes = p + r * (in / 2) + g * 16;
         out_t* dst = tile + r * in + g * 32;
         for (int64_t c = 0; c < 16; ++c) {
-          dst[2 * c] = pairs[2 * bytes[c]];
-          dst[2 * c + 1] = pairs[2 * bytes[c] + 1];
+          dst[2 * c] = to_tile<out_t>(e2m1_value(bytes[c] & 0xFu) * factor);
+          dst[2 * c + 1] = to_tile<out_t>(e2m1_value(bytes[c] >> 4) * factor);
         }
       }
     }
   } else if (l.format == Format::kInt4) {
-    const int32_t* p = packed.data_ptr<int32_t>() + e * l.out * (in / 8);
-    const int64_t groups = in / l.block_cols;
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(packed.data_ptr<int32_t>()) + e * l.out * (in / 2);
+    const int64_t cols = l.block_cols, groups = in / cols;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scale.scalar_type(), "decode_int4", [&] {
       using scale_t = scalar_t;
       const scale_t* s = scale.data_ptr<scale_t>() + e * l.out * groups;
       for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t w = 0; w < in / 8; ++w) {
-          const uint32_t word = static_cast<uint32_t>(p[r * (in / 8) + w]);
-          const float sv = static_cast<float>(s[r * groups + (w * 8) / l.block_cols]);
-          for (int64_t t = 0; t < 8; ++t) {
-            const float q = static_cast<float>(static_cast<int>((word >> (4 * t)) & 0xF) - 8);
-            // Rounded to the scale's dtype, as torch multiplies two tensors of that dtype.
-            tile[r * in + w * 8 + t] = static_cast<out_t>(static_cast<float>(static_cast<scale_t>(q * sv)));
+        for (int64_t g = 0; g < groups; ++g) {
+          const float sv = static_cast<float>(s[r * groups + g]);
+          const uint8_t* bytes = p + r * (in / 2) + g * (cols / 2);
+          out_t* dst = tile + r * in + g * cols;
+          // (nibble - 8) * scale rounded to the scale's dtype, as torch multiplies two such tensors.
+          for (int64_t c = 0; c < cols / 2; ++c) {
+            dst[2 * c] = to_tile<out_t>(rounded_to<scale_t>(static_cast<float>(int{bytes[c] & 0xF} - 8) * sv));
+            dst[2 * c + 1] = to_tile<out_t>(rounded_to<scale_t>(static_cast<float>(int{bytes[c] >> 4} - 8) * sv));
           }
         }
       }
     });
   } else {
-    // FP8 byte -> float by a table (the same values as Float8_e4m3fn's conversion, without its
-    // per-element bit work).
-    static const std::array<float, 256> kFp8 = [] {
-      std::array<float, 256> table{};
-      for (int b = 0; b < 256; ++b) {
-        table[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
-      }
-      return table;
-    }();
     const auto* p = reinterpret_cast<const uint8_t*>(packed.data_ptr<at::Float8_e4m3fn>()) + e * l.out * in;
     const int64_t scale_rows = (l.out + l.block_rows - 1) / l.block_rows;
     const int64_t scale_cols = (in + l.block_cols - 1) / l.block_cols;
@@ -106,7 +136,7 @@ void decode_rows(const PackedLayout& l, const at::Tensor& packed, const at::Tens
       for (int64_t c0 = 0; c0 < in; c0 += l.block_cols) {
         const float factor = srow[c0 / l.block_cols];
         const int64_t c1 = std::min(in, c0 + l.block_cols);
-        for (int64_t c = c0; c < c1; ++c) tile[r * in + c] = static_cast<out_t>(kFp8[p[r * in + c]] * factor);
+        for (int64_t c = c0; c < c1; ++c) tile[r * in + c] = to_tile<out_t>(e4m3fn_value(p[r * in + c]) * factor);
       }
     }
   }
@@ -119,7 +149,6 @@ class DecodedTiles {
   DecodedTiles(const PackedLayout& l, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& like)
       : l_(l), packed_(packed.contiguous()), scale_(scale.contiguous()), like_(like),
         tiles_(static_cast<size_t>(at::get_num_threads())) {
-    if (l.format == Format::kMxfp4) mx_pairs_ = mxfp4_pair_table(like.scalar_type());
   }
 
   at::Tensor operator()(int64_t e) const {
@@ -130,11 +159,10 @@ class DecodedTiles {
     if (!tile.defined()) tile = at::empty({l_.out, l_.in}, like_.options());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tile.scalar_type(), "decode_tile", [&] {
       scalar_t* dst = tile.data_ptr<scalar_t>();
-      const scalar_t* mx_pairs = mx_pairs_.defined() ? mx_pairs_.data_ptr<scalar_t>() : nullptr;
       // A big expert runs alone with all threads (expert_schedule.h): decode its rows in parallel;
       // inside a worker's bin of small experts this runs on that thread alone.
       at::parallel_for(0, l_.out, 16, [&](int64_t r0, int64_t r1) {
-        decode_rows<scalar_t>(l_, packed_, scale_, e, r0, r1, dst, mx_pairs);
+        decode_rows<scalar_t>(l_, packed_, scale_, e, r0, r1, dst);
       });
     });
     return tile;
@@ -142,7 +170,7 @@ class DecodedTiles {
 
  private:
   PackedLayout l_;
-  at::Tensor packed_, scale_, like_, mx_pairs_;
+  at::Tensor packed_, scale_, like_;
   mutable std::vector<at::Tensor> tiles_;
 };
 
