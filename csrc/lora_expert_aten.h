@@ -31,6 +31,17 @@
 
 namespace slmoe {
 
+// W_e [out, in] as the right operand of dx = dy W_e. ATen's CPU GEMM in bf16/fp16 (without
+// oneDNN's reduced-precision path) is a dot-product loop over contiguous rows: dy W_e strides
+// down W_e's columns and ran 10-40x slower than x W_e^T at K3's expert shapes. On the CPU, the
+// product takes a contiguous W_e^T (one transient tile per thread), read back as its transpose.
+inline at::Tensor dx_operand(const at::Tensor& w) {
+  if (w.device().is_cpu() && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf)) {
+    return w.t().contiguous().t();
+  }
+  return w;
+}
+
 template <typename WeightOf, typename ForEachExpert>
 std::tuple<at::Tensor, at::Tensor> lora_grouped_linear_fwd_aten_tiles(
     const GroupedDims& d, const std::vector<int64_t>& offsets, const at::Tensor& x_in, const WeightOf& weight_of,
@@ -128,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lora_grouped_linear_bwd_aten_tile
     }
     if (need_dx) {
       auto dx_e = dx.narrow(0, off, n);
-      at::mm_out(dx_e, dy_e, weight_of(e));
+      at::mm_out(dx_e, dy_e, dx_operand(weight_of(e)));
       if (mask.has_value()) {
         // Dropout hit only the LoRA input, so only the LoRA term of dx is masked.
         dx_e.addcmul_(at::mm(dh_e, lora_a[e]), mask->narrow(0, off, n));
