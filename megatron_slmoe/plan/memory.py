@@ -313,7 +313,8 @@ def packed_scratch_bytes(shape: ModelShape, settings: RunSettings, device: Devic
     * cuda: the experts of one chunk, as many as fit in ``PACKED_SCRATCH_BYTES`` (at least one, at
       most the rank's experts; csrc/packed_scratch.h), allocated whole whatever the routing;
     * cpu: one tile per intra-op thread that runs an expert (csrc/cpu/lora_expert_packed.cpp), so
-      at most min(threads, experts);
+      at most min(threads, experts), and in bf16/fp16 the backward's transposed copy of it
+      (``dx_operand`` in csrc/lora_expert_aten.h: ATen's CPU GEMM is slow the other way);
     * npu: in bf16/fp16, the larger of the AscendC binding's chunk (the CUDA rule and cap:
       csrc/ascendc/lora_expert_npu.cpp, on a build with CANN) and the pure-torch twin's
       (``ops.lora_expert.packed_grouped_fwd``, what an NPU runs without that build): one tile the
@@ -329,7 +330,8 @@ def packed_scratch_bytes(shape: ModelShape, settings: RunSettings, device: Devic
     if device.kind == "cuda":
         return max(_cuda_chunk(experts, tile) * tile for tile in tiles)
     if device.kind == "cpu":
-        return min(cpu_threads(), experts) * max(tiles)
+        per_thread = 1 if settings.element_size == 4 else 2
+        return min(cpu_threads(), experts) * max(tiles) * per_thread
     block_rows = 128 if shape.packed_expert_bytes >= 1 else 1  # 8-bit: block FP8's 128 rows
     twin = max(tiles) + max(decode_chunk_bytes(out, inp, block_rows) for out, inp in (
         (fc1_out, shape.expert_width), (shape.expert_width, shape.expert_ffn)))
