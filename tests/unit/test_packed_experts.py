@@ -123,9 +123,12 @@ def test_nan_scale_in_packed_experts_is_one_line(checkpoints, tmp_path):
 def test_planner_prices_the_packed_bytes_and_the_scratch_tile(checkpoints, lora_step):
     """The planner's saving from packed experts is what the built models hold: the dequantised
     experts' bytes less the packed buffers' bytes, less one expert's largest projection decoded
-    (the scratch tile of an NPU run, which decodes expert by expert); the OOM report of a
-    dequantised run names the lever."""
+    and one decode step (the scratch of an NPU run's pure-torch twin, which decodes expert by
+    expert into one tile, in fp32 the binding's too); the OOM report of a dequantised run names
+    the lever."""
     import dataclasses
+
+    from megatron_slmoe.ops.quantized_weights import decode_chunk_bytes
 
     from megatron_slmoe.plan import ModelShape, RunSettings
     from megatron_slmoe.plan.check import check_layout, format_oom_report
@@ -139,7 +142,9 @@ def test_planner_prices_the_packed_bytes_and_the_scratch_tile(checkpoints, lora_
     _, _, dense = lora_step("k3-mxfp4", "dequantize")
     experts = pe.expert_modules(dense)
     tile = max(max(m.fc1_weight[0].numel(), m.fc2_weight[0].numel()) for m in experts) * 4
-    held_saving = pe.expert_weight_bytes(dense) - pe.expert_weight_bytes(packed) - tile
+    step = max(decode_chunk_bytes(*w[0].shape) for m in experts
+               for w in (m.fc1_weight, m.fc2_weight))
+    held_saving = pe.expert_weight_bytes(dense) - pe.expert_weight_bytes(packed) - tile - step
 
     model_config, _ = open_model(ModelSection(hf_checkpoint=directory))
     shape = ModelShape.from_config(model_config)
