@@ -327,8 +327,9 @@ def packed_scratch_bytes(shape: ModelShape, settings: RunSettings, device: Devic
     fc1_out = shape.expert_ffn * (2 if shape.gated else 1)
     tiles = [out * inp * settings.element_size for out, inp in (
         (fc1_out, shape.expert_width), (shape.expert_width, shape.expert_ffn))]
+    kernel_chunk = max(_cuda_chunk(experts, tile) * tile for tile in tiles)
     if device.kind == "cuda":
-        return max(_cuda_chunk(experts, tile) * tile for tile in tiles)
+        return kernel_chunk
     if device.kind == "cpu":
         per_thread = 1 if settings.element_size == 4 else 2
         return min(cpu_threads(), experts) * max(tiles) * per_thread
@@ -337,7 +338,7 @@ def packed_scratch_bytes(shape: ModelShape, settings: RunSettings, device: Devic
         (fc1_out, shape.expert_width), (shape.expert_width, shape.expert_ffn)))
     if settings.element_size == 4:  # fp32: the binding's ATen decode, as the twin's
         return twin
-    return max(twin, max(_cuda_chunk(experts, tile) * tile for tile in tiles))
+    return max(twin, kernel_chunk)
 
 
 def _cuda_chunk(experts: int, tile: int) -> int:
