@@ -11,9 +11,9 @@ MXFP4 experts, INT4) or block-scaled FP8 (``<name>`` in float8_e4m3fn + ``<name>
 DeepSeek-V3), its stored bytes as they are without a LoRA, re-encoded from the merged weight with
 ``ops.quantized_weights`` with one; each re-encoded weight's error against the BF16 merge (what a
 dequantised export would write) is recorded, and per format the count, max and mean of it are
-written to ``requantization.json`` beside the shards (:class:`RequantizationReport`). Peak memory: one weight
-and its LoRA factors. No process group: the base weights never changed in training, so the base
-checkpoint and the layout-independent adapter file are all it needs.
+written to ``requantization.json`` beside the shards (:class:`RequantizationReport`). Peak
+memory: one weight and its LoRA factors. No process group: the base weights never changed in
+training, so the base checkpoint and the layout-independent adapter file are all it needs.
 """
 
 from __future__ import annotations
@@ -201,10 +201,8 @@ def export_merged(adapter_dir: Optional[str], hf_dir, output: str,
         dtype = _TORCH_DTYPES[info.dtype]
 
         def produce(found=found, lora=lora, dtype=dtype):
-            weight = reader.read(found.stored, found.index)
-            if found.transposed:
-                weight = weight.transpose(-1, -2)
-            return _merged(weight, lora, source, alpha).to(dtype).contiguous()
+            merged = _merged(_read_canonical(reader, found), lora, source, alpha)
+            return merged.to(dtype).contiguous()
 
         return [PlannedTensor(key, dtype, tuple(shape), produce)]
 
@@ -293,10 +291,7 @@ def _fp8_weight(key: str, found, lora: Optional[HFLoRA], checkpoint, reader, sou
             if verbatim:
                 values, scales = reader.read_packed(found.stored)
             else:
-                weight = reader.read(found.stored, found.index)
-                if found.transposed:
-                    weight = weight.transpose(-1, -2)
-                merged = _merged(weight, lora, source, alpha)
+                merged = _merged(_read_canonical(reader, found), lora, source, alpha)
                 values, scales = encode_block_fp8(merged, block)
                 scales = scales.to(scale_dtype)
                 report.add(BLOCK_FP8, key, merged, decode_block_fp8(values, scales, block))
@@ -308,6 +303,12 @@ def _fp8_weight(key: str, found, lora: Optional[HFLoRA], checkpoint, reader, sou
     return [PlannedTensor(key, torch.float8_e4m3fn, tuple(found.shape), lambda: produce(key)),
             PlannedTensor(key + SCALE_SUFFIX, scale_dtype, scale_shape,
                           lambda: produce(key + SCALE_SUFFIX))]
+
+
+def _read_canonical(reader, found) -> torch.Tensor:
+    """The weight ``found`` (a layout's resolution) names, read and turned as the model holds it."""
+    weight = reader.read(found.stored, found.index)
+    return weight.transpose(-1, -2) if found.transposed else weight
 
 
 def _merged(weight: torch.Tensor, lora: Optional[HFLoRA], source, alpha: float) -> torch.Tensor:
