@@ -7,12 +7,16 @@ cd "$(dirname "$0")/.."
 . scripts/lib/env.sh
 slmoe_ensure_env  # the build needs the torch the kernels compile against
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-MAX_JOBS="${MAX_JOBS:-2}" python -m pip wheel . -q --no-build-isolation --no-deps -w "$work/dist"
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 python -m venv "$work/venv"
 pip_new() { "$work/venv/bin/python" -m pip install -q "$@"; }
 # The CPU torch first: the wheel's plain torch requirement is then met, not a CUDA build pulled.
-pip_new "${SLMOE_TORCH_SPEC:-torch==2.13.0}"
+# It installs while the wheel compiles (the two share nothing; the compile leaves a core idle
+# while it links and packs).
+pip_new "${SLMOE_TORCH_SPEC:-torch==2.13.0}" &
+torch_pid=$!
+MAX_JOBS="${MAX_JOBS:-2}" python -m pip wheel . -q --no-build-isolation --no-deps -w "$work/dist"
+wait "$torch_pid" || { echo "[wheel] installing torch into the fresh venv failed" >&2; exit 1; }
 pip_new "$work"/dist/*.whl
 cd "$work"  # away from the checkout: only the installed package can answer
 bin="$work/venv/bin"
@@ -20,15 +24,18 @@ bin="$work/venv/bin"
 import megatron_slmoe, os, sys
 where = os.path.dirname(megatron_slmoe.__file__)
 assert where.startswith(sys.prefix), f"imported {where}, not the installed wheel"
+from megatron_slmoe.ops import native_extension_error
+assert native_extension_error() is None, f"the wheel's native kernels: {native_extension_error()}"
 print(f"[wheel] megatron_slmoe {megatron_slmoe.__version__} from {where}")
 PY
-for script in slmoe-finetune slmoe-merge-lora slmoe-generate slmoe-plot-run slmoe-rank-sweep \
+# Each script's --help on its own, a process per core at a time (each is one import, on one
+# core); xargs exits non-zero when any of them failed, whose error is then printed above.
+printf '%s\n' slmoe-finetune slmoe-merge-lora slmoe-generate slmoe-plot-run slmoe-rank-sweep \
         slmoe-convert-hf slmoe-count-params slmoe-make-hf-checkpoint slmoe-preprocess-data \
         slmoe-train-tokenizer slmoe-plan \
-        slmoe-preflight slmoe-netcheck; do
-    "$bin/$script" --help >/dev/null
-    echo "[wheel] $script --help: ok"
-done
+        slmoe-preflight slmoe-netcheck |
+    xargs -P "$(nproc)" -I{} sh -c '"$1/$2" --help >/dev/null && echo "[wheel] $2 --help: ok"' \
+        sh "$bin" {}
 "$bin/slmoe-plan" --model-config flagship_2p8t --num-devices 512 \
     --device-memory-gb 141 --top 1 >/dev/null
 echo "[wheel] planner on the flagship: ok"
