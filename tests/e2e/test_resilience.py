@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.entry_point import REPO, TINY, losses, restart_env, torchrun, torchrun_command
+from tests.helpers.entry_point import (NO_ANSWERS_NO_PICTURES, REPO, TINY, losses, restart_env,
+                                      torchrun, torchrun_command)
 
 HEARTBEAT_TIMEOUT = 10  # the issue asks for the job to end within a minute (it set 20 s; 10 s
 # proves the same in half the wait, and a healthy step of the tiny model takes well under 1 s)
@@ -161,12 +162,10 @@ def test_the_persistent_writer_saves_and_the_run_resumes_from_it(tiny_base, tmp_
     used to die at its start on a machine without CUDA and the first save waited for it for
     ever. The run saves, finishes, and a run resumed from one of its checkpoints continues with
     the uninterrupted run's losses (a constant learning rate: the two runs' schedules agree)."""
-    # No held-out answers or pictures (--eval-accuracy-samples 0 --no-plots): nothing here reads
-    # them, and making them was a good part of each run's time.
     args = [*TINY, "--base-checkpoint", str(tiny_base), "--expert-model-parallel-size", "2",
             "--async-save", "--use-persistent-ckpt-worker", "--save-interval", "2",
             "--keep-last", "3", "--lr-decay-style", "constant", "--train-iters", "6",
-            "--eval-accuracy-samples", "0", "--no-plots"]
+            *NO_ANSWERS_NO_PICTURES]
     first = tmp_path / "first"
     torchrun(2, [*args, "--output-dir", str(first)])
     saved = first / "checkpoints"

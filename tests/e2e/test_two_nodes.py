@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.entry_point import TINY
+from tests.helpers.entry_point import NO_ANSWERS_NO_PICTURES, TINY
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,10 +83,8 @@ def _two_nodes(namespaces, args: list[str], rendezvous: bool = False, timeout: f
 
 def test_lora_run_across_two_namespaces_then_resume(namespaces, tiny_base, tmp_path):
     out_dir = tmp_path / "run"
-    # No held-out answers or pictures: nothing here reads them (tests/distributed/test_finetune.py
-    # and tests/unit/test_run_pictures.py do), and making them was half of each run's time.
     args = [*TINY, "--base-checkpoint", str(tiny_base), "--save-interval", "2", "--lora-rank", "4",
-            "--eval-accuracy-samples", "0", "--no-plots", "--output-dir", str(out_dir)]
+            *NO_ANSWERS_NO_PICTURES, "--output-dir", str(out_dir)]
     node0, node1 = _two_nodes(namespaces, [*args, "--train-iters", "4"])
     assert "world=2" in node0 and "dp=2" in node0
     assert "[finetune] step 4/4" in node0

@@ -14,6 +14,10 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model-config", "tiny", "--seq-length", "64", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--eval-iters", "1", "--eval-interval", "1000", "--fp32",
         "--no-tensorboard", "--log-interval", "1", "--lr-warmup-iters", "0"]
+# For a test that reads neither the held-out answers nor the run's pictures (the tests of those
+# are tests/distributed/test_finetune.py and tests/unit/test_run_pictures.py): making them is a
+# good part of a tiny run's time.
+NO_ANSWERS_NO_PICTURES = ["--eval-accuracy-samples", "0", "--no-plots"]
 
 
 def torchrun_command(nproc: int, args: list[str], restarts: int = 0) -> list[str]:
