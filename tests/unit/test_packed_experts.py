@@ -129,7 +129,6 @@ def test_planner_prices_the_packed_bytes_and_the_scratch_tile(checkpoints, lora_
     import dataclasses
 
     from megatron_slmoe.ops.quantized_weights import decode_chunk_bytes
-
     from megatron_slmoe.plan import ModelShape, RunSettings
     from megatron_slmoe.plan.check import check_layout, format_oom_report
     from megatron_slmoe.plan.devices import DEVICES, GiB
